@@ -1,0 +1,17 @@
+# `make run` and `make test` do all set-up themselves (scripts/setup.sh, idempotent).
+VENV := .venv
+PROMPT ?= Write a haiku about the sea.
+
+.PHONY: setup run test lint
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	$(VENV)/bin/ft inspect
+
+test: setup
+	$(VENV)/bin/ruff check freetoken tests benchmarks scripts
+	$(VENV)/bin/python -m pytest -q -ra
+
+lint: setup
+	$(VENV)/bin/ruff check freetoken tests benchmarks scripts

@@ -1,0 +1,88 @@
+"""The `ft` command: ft inspect | generate | chat | serve | bench ...
+
+Each subcommand lives in `freetoken/commands/<name>.py` with `add_parser(subparsers)`; its
+parser sets `func`. Engine flags are generated from `EngineConfig`'s fields so the defaults
+live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import typing
+
+from freetoken.config import CACHE_TYPES, DTYPES, MOE_BACKENDS, EngineConfig
+
+COMMANDS = ["inspect", "generate", "chat", "serve", "bench"]
+
+_CHOICES = {"dtype": DTYPES, "cache_type": CACHE_TYPES, "moe_backend": MOE_BACKENDS}
+_HELP = {
+    "model": "GGUF file, HF directory or packaged model name (default: SmolLM2-135M-Instruct)",
+    "dtype": "activation dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    "cache_type": "radix: reuse KV pages of shared prompt prefixes; naive: no reuse",
+    "max_running_requests": "most requests decoding at once",
+    "max_prefill_tokens": "prompt tokens per step (chunked prefill)",
+    "kv_cache_mb": "KV cache size in MiB when --num-pages is not given",
+    "moe_backend": "where experts run: fused, offload, hybrid or cpu",
+    "moe_cpu_threads": "CPU MoE executor threads (default: physical cores minus one)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, model_positional: bool = False) -> None:
+    """Add one --flag per EngineConfig field, defaults taken from the dataclass."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model" and model_positional:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        kw: dict = {"default": f.default, "help": _HELP.get(f.name)}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            kw["type"] = base
+            if f.name in _CHOICES:
+                kw["choices"] = _CHOICES[f.name]
+        parser.add_argument(flag, **kw)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = EngineConfig.field_names()
+    return EngineConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ft", description="FreeToken: serve MoE LLMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"freetoken.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"freetoken.commands.{name}":
+                raise
+            continue  # not built yet
+        mod.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        # User-facing errors (FormatError is a ValueError): one clear line, no traceback.
+        print(f"ft {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

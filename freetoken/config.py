@@ -1,0 +1,63 @@
+"""Configuration as frozen dataclasses; argparse (cli.py) takes its defaults from the fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+CACHE_TYPES = ("radix", "naive")
+MOE_BACKENDS = ("fused", "offload", "hybrid", "cpu")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and schedule requests."""
+
+    model: str | None = None  # path (GGUF file or HF dir) or packaged name; None = default
+    dtype: str = "auto"  # activation / dense-weight dtype; auto = float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto = cuda if available else cpu
+    max_model_len: int | None = None  # None = the model's context length (capped, see engine)
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 2048  # chunked prefill: tokens per step across requests
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # None = sized from kv_cache_mb
+    kv_cache_mb: int = 512
+    cache_type: str = "radix"  # radix: prefix reuse; naive: none
+    seed: int = 0
+    tokenizer: str | None = None  # HF dir overriding the model's own tokenizer
+    chat_template: str | None = None  # a Jinja file overriding the model's template
+    moe_backend: str = "fused"
+    moe_cache_size: int | None = None
+    moe_cache_rate: float | None = None
+    moe_hybrid_max_fetch: int | None = None
+    moe_cpu_threads: int | None = None  # None = physical cores minus one
+    dummy_weights: bool = False
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("cache_type", self.cache_type, CACHE_TYPES)
+        _check_choice("moe_backend", self.moe_backend, MOE_BACKENDS)
+        for name in ("max_running_requests", "max_prefill_tokens", "page_size", "kv_cache_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 1919
+    served_model_name: str | None = None
+    api_key: str | None = None
+    reasoning_parser: str | None = None  # None = chosen from the model family
+    tool_call_parser: str | None = None
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")

@@ -1,0 +1,42 @@
+"""The forward context: what one model forward needs to know about the batch and the KV cache.
+
+The runner builds one per step and passes it down; attention layers read the paged KV cache
+through it. Tokens of all sequences are flattened into one dimension T (prefill chunks and
+decode tokens mixed). Shapes:
+
+- `positions` int64 [T]: absolute position of each token in its sequence.
+- `cu_seqlens_q` int32 [B+1]: token offsets of each sequence's new tokens within T.
+- `seq_lens` int32 [B]: each sequence's KV length after this step (cached + new).
+- `page_table` int32 [B, max_pages]: page ids of each sequence, in order (padded with 0).
+- `slot_mapping` int64 [T]: flat KV slot (page * page_size + offset) each new token writes.
+- `logits_indices` int64 [S]: rows of the final hidden state whose logits are wanted (the last
+  token of each sequence that samples this step), in sampling order.
+- `kv_caches`: one tensor per attention layer, [2, num_pages, page_size, n_kv_heads, head_dim].
+- `state_slots` int64 [B] or None: per-request slot of recurrent state (linear-attention layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    page_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    logits_indices: torch.Tensor
+    page_size: int
+    kv_caches: list[torch.Tensor] = field(default_factory=list)
+    state_slots: torch.Tensor | None = None
+    # Host copies for Python-side loops in the torch reference kernels (avoid device syncs).
+    cu_seqlens_q_list: list[int] = field(default_factory=list)
+    seq_lens_list: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])

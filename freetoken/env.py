@@ -1,0 +1,41 @@
+"""Every FREETOKEN_* environment switch, typed, in one place.
+
+Read through the functions below (at call time, so tests can monkeypatch the environment).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> str | None:
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return None
+    if v not in choices:
+        raise ValueError(f"{name}={v!r} is not one of {', '.join(choices)}")
+    return v
+
+
+def cpu_moe_isa() -> str | None:
+    """FREETOKEN_CPU_MOE_ISA=scalar|avx2|avx512: cap the CPU MoE kernel tier."""
+    return _choice("FREETOKEN_CPU_MOE_ISA", ("scalar", "avx2", "avx512"))
+
+
+def cpu_moe_no_vnni() -> bool:
+    """FREETOKEN_CPU_MOE_NO_VNNI=1: never use a VNNI (int8 dot) kernel."""
+    return _flag("FREETOKEN_CPU_MOE_NO_VNNI")
+
+
+def cpu_moe_no_avx512vnni() -> bool:
+    """FREETOKEN_CPU_MOE_NO_AVX512VNNI=1: never use the 512-bit VNNI kernel."""
+    return _flag("FREETOKEN_CPU_MOE_NO_AVX512VNNI")
+
+
+def cache_dir() -> str | None:
+    """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
+    return os.environ.get("FREETOKEN_CACHE") or None
