@@ -1,0 +1,84 @@
+"""Paged attention, torch reference (CPU or GPU, no custom kernels).
+
+The KV cache of one layer is `[2, num_pages, page_size, n_kv, d]` (K then V). New tokens'
+K/V are written into their slots (`slot_mapping`), then each sequence gathers its pages in
+order (`page_table`, `seq_lens`) and attends causally, optionally within a sliding window
+and with tanh soft-capping of the scores. GQA: query head h reads KV head h // (n_q / n_kv).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.engine.context import ForwardContext
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k, v [T, n_kv, d] at flat slots [T] (page * page_size + offset)."""
+    flat = cache.view(2, -1, *cache.shape[-2:])  # [2, pages * page_size, n_kv, d]
+    flat[0].index_copy_(0, slots, k.to(cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` K/V rows of one sequence: [2, length, n_kv, d]."""
+    page_size = cache.shape[2]
+    n_pages = -(-length // page_size)
+    kv = cache[:, pages[:n_pages].long()]  # [2, n_pages, page_size, n_kv, d]
+    return kv.reshape(2, n_pages * page_size, *cache.shape[-2:])[:, :length]
+
+
+def _mask(q_pos: torch.Tensor, kv_len: int, window: int | None) -> torch.Tensor:
+    """Boolean [n_q, kv_len], True where query at q_pos may see key position j."""
+    j = torch.arange(kv_len, device=q_pos.device)
+    ok = j[None, :] <= q_pos[:, None]
+    if window is not None:  # the window holds the last `window` positions, itself included
+        ok &= q_pos[:, None] - j[None, :] < window
+    return ok
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [n_q, H, d], k/v [L, H, d] (already repeated for GQA) -> [n_q, H, d], in fp32."""
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale  # [H, n_q, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float())
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    ctx: ForwardContext,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, n_q, d], k/v [T, n_kv, d] -> out [T, n_q, d] (q's dtype).
+
+    Writes k/v into `cache` first, so a sequence's new tokens see each other.
+    """
+    n_q, n_kv = q.shape[1], k.shape[1]
+    if cache.shape[-2:] != k.shape[-2:] or n_q % n_kv:
+        raise ValueError(
+            f"paged_attention: cache heads/dim {tuple(cache.shape[-2:])} vs k {tuple(k.shape[1:])}"
+            f", {n_q} query heads"
+        )
+    write_kv(cache, k, v, ctx.slot_mapping)
+    cu = ctx.cu_seqlens_q_list or ctx.cu_seqlens_q.tolist()
+    lens = ctx.seq_lens_list or ctx.seq_lens.tolist()
+    out = torch.empty_like(q)
+    for b in range(len(lens)):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        kv = gather_kv(cache, ctx.page_table[b], lens[b])
+        kk = kv[0].repeat_interleave(n_q // n_kv, dim=1)
+        vv = kv[1].repeat_interleave(n_q // n_kv, dim=1)
+        mask = _mask(ctx.positions[lo:hi], lens[b], window)
+        out[lo:hi] = _attend(q[lo:hi], kk, vv, mask, scale, softcap).to(q.dtype)
+    return out

@@ -1,0 +1,115 @@
+"""Reference (torch, CPU) entry points for linear layers and embedding lookups.
+
+Quantized weights stay quantized in memory: each call dequantizes what it needs, tile by tile
+(rows of the weight), multiplies in fp32 and applies the second-level scale to the result
+(`y = (x @ W^T) * scale2`, DESIGN.md). GPU kernels will slot in behind the same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.formats.qweight import QuantWeight
+
+# Dequantize at most this many weight elements at once (64 MiB of fp32).
+TILE_ELEMS = 1 << 24
+# fp8_block scales cover 128 rows each; tiles start on multiples of this.
+ROW_ALIGN = 128
+
+
+def _dequantize(qw: QuantWeight) -> torch.Tensor:
+    from freetoken.formats.dequant import dequantize  # lazy: formats is a sibling package
+
+    return dequantize(qw, apply_scale2=False)
+
+
+def slice_rows(qw: QuantWeight, start: int, stop: int) -> QuantWeight:
+    """Rows [start, stop) of a 2-D weight, in its own format (views, no copy)."""
+    if qw.is_float:
+        return QuantWeight(qw.data[start:stop], qw.fmt, (stop - start, qw.in_features))
+    scales = qw.scales
+    if scales is not None:
+        if qw.fmt == "fp8_block":
+            assert start % ROW_ALIGN == 0, "fp8_block tiles start on a 128-row boundary"
+            scales = scales[start // ROW_ALIGN : -(-stop // ROW_ALIGN)]
+        else:
+            scales = scales[start:stop]
+    return QuantWeight(
+        qw.data[start:stop], qw.fmt, (stop - start, qw.in_features), scales=scales,
+        ggml_type=qw.ggml_type, source=qw.source,
+    )
+
+
+def _tile_rows(qw: QuantWeight) -> int:
+    rows = max(1, TILE_ELEMS // max(1, qw.in_features))
+    return max(ROW_ALIGN, rows - rows % ROW_ALIGN)
+
+
+def apply_scale2(y: torch.Tensor, scale2: torch.Tensor | None) -> torch.Tensor:
+    """Multiply results by the second-level scale: scalar `[]` or per output row `[out]`."""
+    if scale2 is None:
+        return y
+    return y * scale2.to(device=y.device, dtype=torch.float32)
+
+
+def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., out] = (x[..., in] @ W^T) * scale2 + bias, for any weight format.
+
+    Float weights use `F.linear` in the activation dtype. Quantized weights are dequantized
+    per call in row tiles and multiplied in fp32 (the scale2 of NVFP4 is ~1e-4: the product
+    is accumulated in fp32 before scaling), then cast back to x's dtype.
+    """
+    if len(qw.shape) != 2 or x.shape[-1] != qw.in_features:
+        raise ValueError(
+            f"linear: input [..., {x.shape[-1]}] does not fit weight {qw.source or ''} "
+            f"of shape {list(qw.shape)}"
+        )
+    if qw.is_float:
+        y = F.linear(x, qw.data.to(x.dtype))
+        if qw.scale2 is not None:
+            y = apply_scale2(y.float(), qw.scale2).to(x.dtype)
+    else:
+        y = _quant_linear(x, qw)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def _quant_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    xf = x.float()
+    n, step = qw.out_features, _tile_rows(qw)
+    if n <= step:
+        y = xf @ _dequantize(qw).to(xf.device).T
+    else:
+        parts = []
+        for s in range(0, n, step):
+            w = _dequantize(slice_rows(qw, s, min(n, s + step))).to(xf.device)
+            parts.append(xf @ w.T)
+        y = torch.cat(parts, dim=-1)
+    return apply_scale2(y, qw.scale2).to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of an embedding table [vocab, hidden]: gather rows, then dequantize only them.
+
+    A scale2 (NVFP4 `token_embd.scale`) multiplies the gathered rows.
+    """
+    flat = ids.reshape(-1)
+    if qw.is_float:
+        rows = qw.data.index_select(0, flat).to(dtype)
+        if qw.scale2 is not None:
+            rows = apply_scale2(rows.float(), qw.scale2).to(dtype)
+        return rows.reshape(*ids.shape, qw.in_features)
+    scales = qw.scales
+    if scales is not None:
+        if qw.fmt == "fp8_block":  # rare: dequantize whole 128-row blocks, then pick
+            w = _dequantize(qw)
+            return apply_scale2(w[flat], qw.scale2).to(dtype).reshape(*ids.shape, -1)
+        scales = scales.index_select(0, flat)
+    sub = QuantWeight(
+        qw.data.index_select(0, flat), qw.fmt, (flat.numel(), qw.in_features), scales=scales,
+        ggml_type=qw.ggml_type, source=qw.source,
+    )
+    rows = apply_scale2(_dequantize(sub), qw.scale2)
+    return rows.to(dtype).reshape(*ids.shape, qw.in_features)

@@ -1,0 +1,65 @@
+"""Self-attention block: fused qkv projection, optional per-head q/k norm, rotary, paged
+attention over the KV cache in the forward context, output projection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken import kernels
+from freetoken.engine.context import ForwardContext
+from freetoken.layers.linear import Linear
+from freetoken.layers.norm import RMSNorm
+from freetoken.layers.rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs to know (from ModelConfig, per layer)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float  # multiplies q.k (1/sqrt(head_dim), gemma: query_pre_attn_scalar**-0.5)
+    qkv_bias: bool = False
+    qk_norm: bool = False  # qwen3, gemma3: RMSNorm over each head of q and k, before rotary
+    norm_eps: float = 1e-6
+    norm_plus_one: bool = False  # gemma's (1 + w) norms
+    window: int | None = None  # sliding window (tokens, itself included) or None = global
+    softcap: float | None = None
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: AttentionSpec, layer_id: int):
+        super().__init__()
+        self.spec, self.layer_id = spec, layer_id
+        d = spec.head_dim
+        nq, nkv = spec.num_heads * d, spec.num_kv_heads * d
+        self.qkv_proj = Linear(
+            spec.hidden_size, {"q_proj": nq, "k_proj": nkv, "v_proj": nkv}, bias=spec.qkv_bias
+        )
+        self.o_proj = Linear(nq, spec.hidden_size)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.norm_eps, spec.norm_plus_one)
+            self.k_norm = RMSNorm(d, spec.norm_eps, spec.norm_plus_one)
+        self.sizes = [nq, nkv, nkv]
+
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        s = self.spec
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.reshape(-1, s.num_heads, s.head_dim)  # [T, Hq, d]
+        k = k.reshape(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, d]
+        v = v.reshape(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = kernels.paged_attention(
+            q, k, v, ctx.kv_caches[self.layer_id], ctx,
+            scale=s.scale, window=s.window, softcap=s.softcap,
+        )
+        return self.o_proj(o.reshape(-1, s.num_heads * s.head_dim))

@@ -1,0 +1,40 @@
+"""RMSNorm, computed in fp32.
+
+Gemma stores norm weights as `w` and multiplies by `1 + w` (HF); llama.cpp's converter stores
+`1 + w` in the GGUF. This module always multiplies by the effective weight; the loader says
+whether the stored tensor already includes the +1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from freetoken.formats.errors import FormatError
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w over the last dimension.
+
+    plus_one: the architecture defines the scale as `1 + w` (gemma); `load` adds the 1 unless
+    the checkpoint stored it already.
+    """
+
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+        super().__init__()
+        self.dim, self.eps, self.plus_one = dim, eps, plus_one
+        self.register_buffer("weight", torch.ones(dim), persistent=False)
+
+    def load(self, w: torch.Tensor, *, stored_plus_one: bool = False, name: str = "") -> None:
+        if tuple(w.shape) != (self.dim,):
+            raise FormatError(f"shape {list(w.shape)}, expected [{self.dim}]", tensor=name)
+        w = w.float()
+        self.weight = w + 1.0 if self.plus_one and not stored_plus_one else w.clone()
+
+    def finalize(self, dtype: torch.dtype, device) -> None:
+        self.weight = self.weight.to(device=device, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight).to(x.dtype)

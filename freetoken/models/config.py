@@ -1,0 +1,166 @@
+"""ModelConfig: the hyperparameters a dense model file needs, parsed from an HF config.json or
+from GGUF metadata. Unknown architectures fail here with the supported list."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from freetoken.formats.errors import FormatError
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+# HF model_type -> our arch name.
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                  "gemma3": "gemma3"}
+# Gemma 3 hyperparameters that llama.cpp hard-codes (not in the GGUF): FACTS.md.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Frozen hyperparameters. layer_types: "full" or "sliding" per layer."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None  # HF rope_parameters / rope_scaling of global layers
+    rope_local_theta: float | None = None  # gemma3 sliding layers
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    attn_scale: float | None = None  # None = head_dim ** -0.5
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    final_logit_softcap: float | None = None
+    attn_logit_softcap: float | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+
+def _ids(v) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    return tuple(int(x) for x in (v if isinstance(v, (list, tuple)) else [v]))
+
+
+def hf_arch(config: dict, path=None) -> str:
+    """Our arch name for an HF config, or FormatError naming it and the supported list."""
+    mt = config.get("model_type")
+    if mt not in HF_MODEL_TYPES:
+        raise FormatError(
+            f"unknown architecture {mt!r} ({config.get('architectures')}); supported: "
+            f"{', '.join(SUPPORTED)}", path=path, key="model_type")
+    return HF_MODEL_TYPES[mt]
+
+
+def _hf_rope(c: dict) -> tuple[float, dict | None, float | None]:
+    """(global theta, global scaling, local theta) from new `rope_parameters` or old keys."""
+    rp = c.get("rope_parameters")
+    if isinstance(rp, dict) and "full_attention" in rp:  # per layer type (gemma3, tf 5)
+        g, loc = rp["full_attention"], rp.get("sliding_attention", {})
+        return float(g["rope_theta"]), g, float(loc.get("rope_theta", GEMMA3_LOCAL_THETA))
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return float(rp["rope_theta"]), rp, c.get("rope_local_base_freq")
+    return float(c.get("rope_theta", 10000.0)), c.get("rope_scaling"), c.get("rope_local_base_freq")
+
+
+def _gemma_layer_types(c: dict, n: int) -> tuple[str, ...]:
+    if c.get("layer_types"):
+        return tuple("sliding" if t == "sliding_attention" else "full" for t in c["layer_types"])
+    p = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or GEMMA3_SWA_PATTERN
+    return tuple("full" if (i + 1) % p == 0 else "sliding" for i in range(n))
+
+
+def from_hf(config: dict, path=None) -> ModelConfig:
+    """Parse an HF config.json dict (text models; gemma3's `text_config` when nested)."""
+    arch = hf_arch(config, path)
+    c = config.get("text_config", config) if config.get("model_type") == "gemma3" else config
+    n, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+    hidden = int(c["hidden_size"])
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    theta, scaling, local = _hf_rope(c)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    gemma = arch == "gemma3"
+    return ModelConfig(
+        arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]), num_layers=n, num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim,
+        max_position=int(c.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        rope_local_theta=float(local or GEMMA3_LOCAL_THETA) if gemma else None,
+        sliding_window=c.get("sliding_window") if gemma else None,
+        layer_types=_gemma_layer_types(c, n) if gemma else ("full",) * n,
+        attn_scale=float(c.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        hidden_act=c.get("hidden_activation") or c.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", config.get("tie_word_embeddings",
+                                                                          gemma))),
+        attention_bias=bool(c.get("attention_bias", arch == "qwen2")),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=_ids(c.get("eos_token_id")),
+        final_logit_softcap=c.get("final_logit_softcapping"),
+        attn_logit_softcap=c.get("attn_logit_softcapping"),
+    )
+
+
+def _gguf_scaling(md: dict, a: str) -> dict | None:
+    kind = md.get(f"{a}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise FormatError(f"rope scaling {kind!r} is not supported", key=f"{a}.rope.scaling.type")
+    return {"rope_type": "linear", "factor": float(md[f"{a}.rope.scaling.factor"])}
+
+
+def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
+    """Parse GGUF metadata (llama.cpp key names). vocab_size: rows of token_embd."""
+    a = md.get("general.architecture")
+    if a not in SUPPORTED:
+        raise FormatError(f"unknown architecture {a!r}; supported: {', '.join(SUPPORTED)}",
+                          path=path, key="general.architecture")
+
+    def get(key: str, default=None):
+        v = md.get(f"{a}.{key}", default)
+        if v is None:
+            raise FormatError("missing metadata", path=path, key=f"{a}.{key}")
+        return v
+
+    n, heads, hidden = int(get("block_count")), int(get("attention.head_count")), int(
+        get("embedding_length"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    gemma = a == "gemma3"
+    eos = md.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=a, vocab_size=vocab_size, hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")), num_layers=n, num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+        max_position=int(get("context_length")),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=_gguf_scaling(md, a),
+        rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
+        sliding_window=int(get("attention.sliding_window")) if gemma else None,
+        layer_types=tuple("full" if not gemma or (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding"
+                          for i in range(n)),
+        attn_scale=head_dim**-0.5, hidden_act="gelu_tanh" if gemma else "silu",
+        tie_word_embeddings=False, attention_bias=a == "qwen2",
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_ids=_ids(eos),
+        final_logit_softcap=md.get(f"{a}.final_logit_softcapping"),
+        attn_logit_softcap=md.get(f"{a}.attn_logit_softcapping"),
+    )
+
+
+def embed_scale(cfg: ModelConfig) -> float:
+    """Gemma multiplies embeddings by sqrt(hidden); the others by 1."""
+    return math.sqrt(cfg.hidden_size) if cfg.arch == "gemma3" else 1.0
