@@ -56,6 +56,8 @@ class ServerConfig:
     api_key: str | None = None
     reasoning_parser: str | None = None  # None = chosen from the model family
     tool_call_parser: str | None = None
+    max_in_flight_requests: int = 256  # HTTP generation requests held at once; more get 503
+    max_body_mb: int = 8  # larger request bodies get 413
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
