@@ -210,6 +210,9 @@ def _fp8_block(ck: HFCheckpoint, p: str) -> tuple[QuantWeight, list]:
     if w.dim() < 2:
         raise FormatError("FP8 weight must be at least 2-D", path=ck.path, tensor=wname)
     b0, b1 = ck.quant.block_size or (128, 128)
+    if (b0, b1) != (128, 128):  # QuantWeight's fp8_block layout fixes 128x128 tiles
+        raise FormatError(f"FP8 weight_block_size {[b0, b1]} is not supported (only "
+                          "[128, 128])", path=ck.quant.source, key="weight_block_size")
     *lead, n, k = w.shape
     _check_shape(ck, sname, s.shape, (*lead, -(-n // b0), -(-k // b1)))
     qw = QuantWeight(w, "fp8_block", tuple(w.shape), s, source=f"{ck.path}:{wname}")
