@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
+from freetoken.formats.codecs import SUPPORTED_TYPES
 from freetoken.formats.errors import FormatError
 from freetoken.formats.gguf_header import GGUFValueType, RawTensorInfo, parse_header
 from freetoken.formats.nvfp4 import gguf_nvfp4_to_modelopt
@@ -179,6 +180,9 @@ class GGUFFile:
             return QuantWeight(_float_view(data, dtype, ti.shape), fmt, ti.shape, source=src)
         if t in PLAIN_TYPES:
             raise FormatError(f"{t.name} tensor is not a weight", path=self.path, tensor=name)
+        if t not in SUPPORTED_TYPES:
+            raise FormatError(f"GGUF type {t.name} is not supported for weights",
+                              path=self.path, tensor=name)
         row_bytes = ti.nbytes // max(1, math.prod(ti.shape[:-1]))
         rows = data.reshape(*ti.shape[:-1], row_bytes)
         if t == T.NVFP4:
