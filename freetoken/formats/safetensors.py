@@ -125,6 +125,10 @@ def _uint(v: object) -> bool:
 
 def _check_tiling(entries: dict[str, TensorEntry], data_len: int, path: Path) -> None:
     """Tensor bytes must cover [0, data_len) exactly once, as the format requires."""
+    for e in entries.values():
+        if e.end > data_len:
+            raise FormatError(f"data_offsets [{e.begin}, {e.end}] run past the {data_len}-byte "
+                              "data region", path=path, tensor=e.name)
     pos = 0
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.begin != pos:
