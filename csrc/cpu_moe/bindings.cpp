@@ -1,0 +1,96 @@
+// Python bindings (nanobind): raw pointers (ints) and shapes in, the GIL released around
+// every call that computes. freetoken/moe/cpu_executor.py checks arguments before calling.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "cpu_features.h"
+#include "executor.h"
+
+namespace nb = nanobind;
+using ft::Bank;
+using ft::Executor;
+
+namespace ft {
+void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out);
+}
+
+template <typename T>
+static T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+static nb::bytes as_bytes(const std::vector<uint8_t>& v) {
+  return nb::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+NB_MODULE(_cpu_moe, m) {
+  m.doc() = "FreeToken CPU MoE executor (C++ SIMD expert kernels)";
+  nb::class_<Bank>(m, "Bank")
+      .def("__init__",
+           [](Bank* b, int fmt, int64_t E, int64_t N, int64_t K, uintptr_t data,
+              int64_t row_bytes, uintptr_t scales) {
+             new (b) Bank{static_cast<ft::Fmt>(fmt), E, N, K, ptr<const uint8_t>(data),
+                          row_bytes, ptr<const uint8_t>(scales)};
+           })
+      .def_prop_ro("expert_bytes", &Bank::expert_bytes);
+
+  nb::class_<Executor>(m, "Executor")
+      .def(nb::init<int, const std::string&, bool, bool>(), nb::arg("num_threads"),
+           nb::arg("isa"), nb::arg("no_vnni"), nb::arg("no_avx512vnni"))
+      .def_prop_ro("isa", [](const Executor& e) { return std::string(e.isa()); })
+      .def_prop_ro("num_threads", &Executor::num_threads)
+      .def(
+          "forward",
+          [](Executor& ex, uintptr_t x, int64_t T, int64_t k, uintptr_t ids, uintptr_t route,
+             const Bank& w13, const Bank& w2, uintptr_t scales, int act, uintptr_t out,
+             bool out_bf16) {
+            ft::LayerArgs a{ptr<const float>(x), T, k, ptr<const int32_t>(ids),
+                            ptr<const float>(route), w13, w2, ptr<const float>(scales),
+                            static_cast<ft::Act>(act), ptr<void>(out), out_bf16};
+            ex.forward(a);
+          },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "time_forward",
+          [](Executor& ex, uintptr_t x, int64_t T, int64_t k, uintptr_t ids, uintptr_t route,
+             const Bank& w13, const Bank& w2, uintptr_t scales, int act, uintptr_t out,
+             int64_t iters) {
+            ft::LayerArgs a{ptr<const float>(x), T, k, nullptr, nullptr, w13, w2,
+                            ptr<const float>(scales), static_cast<ft::Act>(act), ptr<void>(out),
+                            false};
+            return ex.time_forward(a, ptr<const int32_t>(ids), ptr<const float>(route), iters);
+          },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "dot",
+          [](Executor& ex, const Bank& w, int64_t e, uintptr_t x, int64_t T, uintptr_t out,
+             int threads) { ex.dot(w, e, ptr<const float>(x), T, ptr<float>(out), threads); },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "time_dot",
+          [](Executor& ex, const Bank& w, int64_t e, uintptr_t x, int64_t iters, int threads) {
+            return ex.time_dot(w, e, ptr<const float>(x), iters, threads);
+          },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "time_stream",
+          [](Executor& ex, uintptr_t p, int64_t n, int64_t iters, int threads) {
+            return ex.time_stream(ptr<const uint8_t>(p), n, iters, threads);
+          },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def("prep", [](const Executor& ex, int fmt, uintptr_t x, int64_t K) {
+        return as_bytes(ex.prep(static_cast<ft::Fmt>(fmt), ptr<const float>(x), K));
+      });
+
+  m.def("supported_tiers", &ft::supported_tiers);
+  m.def("nvfp4_q8_prep_reference", [](uintptr_t x, int64_t K) {
+    std::vector<uint8_t> v(ft::nvfp4_q8_bytes(K));
+    ft::nvfp4_q8_prep_reference(ptr<const float>(x), K, v.data());
+    return as_bytes(v);
+  });
+  nb::dict fmts;
+  const char* names[] = {"f32", "f16", "bf16", "nvfp4", "fp8_block", "mxfp4",
+                         "Q4_0", "Q8_0", "Q4_K", "Q6_K"};
+  for (int i = 0; i < ft::kNumFmt; ++i) fmts[names[i]] = i;
+  m.attr("FORMATS") = fmts;
+}

@@ -1,0 +1,150 @@
+// Shared shapes of the CPU MoE executor: weight banks, activation layouts, the per-tier
+// kernel table and small scalar helpers (E4M3 / BF16 / FP16 decoding).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace ft {
+
+// ============================================================================
+// Formats
+// ============================================================================
+
+// Weight format of one bank. GGUF types are split into their own entries so that the
+// kernel table can be indexed directly.
+enum class Fmt : int {
+  F32 = 0, F16, BF16, NVFP4, FP8_BLOCK, MXFP4, Q4_0, Q8_0, Q4_K, Q6_K, COUNT
+};
+constexpr int kNumFmt = static_cast<int>(Fmt::COUNT);
+
+// One expert bank [E, N, K] as raw pointers. `data` rows are `row_bytes` apart, experts
+// `N * row_bytes` apart. `scales` (nvfp4: E4M3 [E, N, K/16]; mxfp4: E8M0 [E, N, K/32];
+// fp8_block: fp32 [E, ceil(N/128), ceil(K/128)]) is null for the other formats.
+struct Bank {
+  Fmt fmt = Fmt::F32;
+  int64_t E = 0, N = 0, K = 0;
+  const uint8_t* data = nullptr;
+  int64_t row_bytes = 0;
+  const uint8_t* scales = nullptr;
+
+  const uint8_t* row(int64_t e, int64_t r) const { return data + (e * N + r) * row_bytes; }
+  // Total bytes of one expert (weights + block scales): what a dot streams from memory.
+  int64_t expert_bytes() const;
+};
+
+// ============================================================================
+// Kernel table (one per ISA tier)
+// ============================================================================
+
+// out[t * out_stride + i] = dot(row r0 + i of expert e, activation t) for i < nrows, t < ntok.
+// `acts[t]` points at token t's prepared activation (layout chosen by the tier's `prep`).
+// NOTE: each row's result must not depend on r0, nrows or ntok (thread-count invariance).
+using DotFn = void (*)(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
+                       const uint8_t* const* acts, int ntok, float* out, int64_t out_stride);
+using ActBytesFn = int64_t (*)(int64_t K);
+using PrepFn = void (*)(const float* x, int64_t K, uint8_t* out);
+
+struct FormatKernels {
+  ActBytesFn act_bytes = nullptr;  // bytes of one token's prepared activation
+  PrepFn prep = nullptr;           // fp32 [K] -> prepared activation
+  DotFn dot = nullptr;
+};
+
+struct Kernels {
+  const char* name = "scalar";
+  FormatKernels fmt[kNumFmt];
+  // Reads n bytes (n % 256 == 0) with the widest loads the tier has; returns a checksum.
+  uint64_t (*stream_read)(const uint8_t* p, int64_t n) = nullptr;
+};
+
+// Tier tables, one per translation unit (compiled with that tier's flags).
+const Kernels& kernels_scalar();
+const Kernels& kernels_avx2();        // AVX2 + FMA + F16C: fp32 W4A16 NVFP4
+const Kernels& kernels_avx2_vnni();   // + AVX-VNNI: 256-bit W4A8 NVFP4
+const Kernels& kernels_avx512();      // AVX-512 F/BW/VL/DQ: fp32 W4A16 NVFP4
+const Kernels& kernels_avx512_vnni(); // + AVX-512 VNNI: 512-bit W4A8 NVFP4
+
+// ============================================================================
+// NVFP4 W4A8 activation layout (the VNNI tiers)
+// ============================================================================
+// Per token, ceil(K/128) chunks of 256 bytes; chunk c covers k in [128c, 128c + 128):
+//   [0, 64)    int8 a[128c + 2i]      (even k)
+//   [64, 128)  int8 a[128c + 2i + 1]  (odd k)
+//   [128, 192) int32 bias[16]: lane j = -12 * sum(a[128c + 8j .. 128c + 8j + 7])
+//   [192, 256) fp32 lane scale[16]: lane j = 128 * scale of block j/2 (block = 16 k);
+//              the 128 folds the 2^-8 of the E4M3->FP16 shift and the 1/2 of the
+//              doubled E2M1 table.
+// A partial last chunk is zero-padded (int8 0, bias 0, scale 0).
+constexpr int64_t kChunkK = 128;
+constexpr int64_t kChunkBytes = 256;
+inline int64_t nvfp4_q8_bytes(int64_t K) { return (K + kChunkK - 1) / kChunkK * kChunkBytes; }
+
+// Activation quantization shared by every int8 path: per block of `n` values,
+// scale = amax / 127, q = round-half-even(x * (127 / amax)). Blocks whose amax is below
+// 127 / FLT_MAX (about 3.7e-37, where 127 / amax overflows) become zeros with scale 0.
+constexpr float kMinAmax = 127.0f / 3.4028234663852886e38f;
+
+// Q8_32 layout of the GGUF integer formats: int8 q[K]; fp32 d[K/32]; int32 sum[K/32].
+inline int64_t q8_32_bytes(int64_t K) { return K + (K / 32) * 8; }
+
+// ============================================================================
+// Scalar decoders
+// ============================================================================
+
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_to_f32(uint16_t h) { return f32_from_bits(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even (NaN kept quiet)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const int exp = (h >> 10) & 0x1f;
+  const uint32_t man = h & 0x3ffu;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(man), -24);
+  } else if (exp == 31) {
+    v = man ? NAN : INFINITY;
+  } else {
+    v = std::ldexp(static_cast<float>(man | 0x400u), exp - 25);
+  }
+  return sign ? -v : v;
+}
+
+// E4M3 (fn: no infinities, 0x7f / 0xff = NaN), bias 7, subnormals 2^-6 * m/8.
+inline float e4m3_to_f32(uint8_t b) {
+  const int exp = (b >> 3) & 0xf;
+  const int man = b & 7;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(man), -9);
+  } else if (exp == 15 && man == 7) {
+    v = NAN;
+  } else {
+    v = std::ldexp(static_cast<float>(8 + man), exp - 10);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// E2M1 code -> value (sign in bit 3).
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+inline float e8m0_to_f32(uint8_t b) {  // 2^(b - 127); 0xff is NaN
+  return b == 0xff ? NAN : std::ldexp(1.0f, static_cast<int>(b) - 127);
+}
+
+}  // namespace ft

@@ -1,0 +1,79 @@
+// The CPU MoE executor: one call computes a whole MoE layer for a batch of tokens.
+//   y[t] += r * ((glu(x @ Wg[e]^T * s[e,0], x @ Wu[e]^T * s[e,1])) @ Wd[e]^T * s[e,2])
+// for each token t and each of its k (expert e, routing weight r).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "thread_pool.h"
+
+namespace ft {
+
+enum class Act : int { SILU = 0, GELU_TANH = 1 };
+
+struct LayerArgs {
+  const float* x = nullptr;     // [T, H] fp32
+  int64_t T = 0, k = 0;
+  const int32_t* ids = nullptr; // [T, k]
+  const float* route = nullptr; // [T, k]
+  Bank w13;                     // [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up
+  Bank w2;                      // [E, H, I]
+  const float* scales = nullptr; // [E, 4] fp32: gate, up, down, 1
+  Act act = Act::SILU;
+  void* out = nullptr;          // [T, H] fp32, or bf16 when out_bf16
+  bool out_bf16 = false;
+};
+
+// 64-byte aligned growable scratch.
+class Scratch {
+ public:
+  uint8_t* get(size_t n) {
+    if (buf_.size() < n + 64) buf_.resize(n + 64);
+    auto p = reinterpret_cast<uintptr_t>(buf_.data());
+    return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t{63});
+  }
+
+ private:
+  std::vector<uint8_t> buf_;
+};
+
+class Executor {
+ public:
+  Executor(int num_threads, const std::string& isa, bool no_vnni, bool no_avx512vnni);
+
+  const char* isa() const { return k_->name; }
+  int num_threads() const { return pool_.size(); }
+
+  // Throws std::invalid_argument on out-of-range expert ids. Not reentrant (one scratch).
+  void forward(const LayerArgs& a);
+
+  // Hooks for tests and the benchmark.
+  // out[t, n] = x[t] . W[e, n] for all rows n of expert e (the tier's activation prep
+  // included); rows split over `threads` threads (<= num_threads).
+  void dot(const Bank& w, int64_t e, const float* x, int64_t T, float* out, int threads);
+  // The tier's prepared activation of one token for a format (bytes returned in `out`).
+  std::vector<uint8_t> prep(Fmt fmt, const float* x, int64_t K) const;
+  // Seconds for `iters` forward calls; call i routes by ids[i] / route[i] ([iters, T, k]).
+  double time_forward(LayerArgs a, const int32_t* ids, const float* route, int64_t iters);
+  // Seconds for `iters` dots of one token over all rows of expert e.
+  double time_dot(const Bank& w, int64_t e, const float* x, int64_t iters, int threads);
+  // Seconds for `iters` streaming reads of n bytes (64-aligned) split over `threads` threads.
+  double time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads);
+
+ private:
+  void prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, uint8_t* out,
+                   int64_t stride);
+  void matmul_experts(const Bank& w, const std::vector<int64_t>& experts,
+                      const std::vector<int64_t>& p0, const uint8_t* const* acts, float* out);
+
+  ThreadPool pool_;
+  const Kernels* k_;
+  Scratch xq_, h_, aq_, d_, ptrs_;
+};
+
+int64_t act_stride(const Kernels& k, Fmt fmt, int64_t K);
+
+}  // namespace ft

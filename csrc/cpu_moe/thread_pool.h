@@ -1,0 +1,45 @@
+// A persistent thread pool: n - 1 workers plus the calling thread. Workers spin briefly
+// after a job (decode calls come every ~100 us per layer) and then sleep on a condition
+// variable, so an idle pool costs no CPU.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ft {
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_; }
+
+  // fn(tid) once on each thread, tid in [0, size()); tid 0 is the caller. Returns when done.
+  void run_per_thread(const std::function<void(int)>& fn);
+
+  // fn(item) for item in [0, n_items), items claimed dynamically in increasing order.
+  // NOTE: results must not depend on which thread ran an item (determinism).
+  void run(int64_t n_items, const std::function<void(int64_t)>& fn);
+
+ private:
+  void worker(int tid);
+
+  int n_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0};
+  std::atomic<bool> stop_{false};
+  const std::function<void(int)>* job_ = nullptr;
+};
+
+}  // namespace ft
