@@ -104,7 +104,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scale2: str = "tens
             continue
         codes, scales, s = quantize_nvfp4(ck.tensor(name), s2.get(prefix))
         out[name], out[prefix + ".weight_scale"] = codes, scales
-        out[prefix + ".weight_scale_2"] = s
+        out[prefix + ".weight_scale_2"] = s.clone()  # shared scales must not share storage
         if prefix in amax_in:
             out[prefix + ".input_scale"] = (amax_in[prefix] / (E2M1_MAX * E4M3_MAX)).reshape(())
     excluded = sorted({"lm_head", *kept})
