@@ -75,5 +75,35 @@ def test_bad_sizes_are_refused():
         dequantize_gguf(torch.zeros(40, dtype=torch.uint8), int(T.Q8_1), (32,))
 
 
+def test_dequantize_dispatch_and_scale2():
+    """dequantize(): float formats, NVFP4 with scale2 per matrix / expert / row, FP8 block."""
+    from freetoken.formats.dequant import dequantize
+    from freetoken.formats.nvfp4 import dequant_nvfp4
+    from freetoken.formats.qweight import QuantWeight
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4, 8, generator=g)
+    assert torch.equal(dequantize(QuantWeight(w.bfloat16(), "bf16", (4, 8))), w.bfloat16().float())
+    codes = torch.randint(0, 256, (3, 4, 16), dtype=torch.uint8, generator=g)
+    sc = torch.randint(0, 0x7F, (3, 4, 2), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    base = dequant_nvfp4(codes, sc)
+    for s2, bcast in [(torch.tensor(0.5), 0.5), (torch.tensor([1.0, 2.0, 4.0]),
+                                                 torch.tensor([1.0, 2.0, 4.0]).reshape(3, 1, 1))]:
+        qw = QuantWeight(codes, "nvfp4", (3, 4, 32), scales=sc, scale2=s2)
+        assert torch.equal(dequantize(qw), base)  # scale2 multiplies results, not weights
+        assert torch.equal(dequantize(qw, apply_scale2=True), base * bcast)
+    row = QuantWeight(codes[0], "nvfp4", (4, 32), scales=sc[0], scale2=torch.arange(4.0))
+    assert torch.equal(dequantize(row, apply_scale2=True), base[0] * torch.arange(4.0)[:, None])
+    with pytest.raises(ValueError, match="scale2"):
+        dequantize(QuantWeight(codes[0], "nvfp4", (4, 32), scales=sc[0],
+                               scale2=torch.ones(5)), apply_scale2=True)
+    f8 = torch.randn(130, 256, generator=g).to(torch.float8_e4m3fn)
+    inv = torch.rand(2, 2, generator=g)
+    ref = f8.double() * inv.double().repeat_interleave(128, 0)[:130].repeat_interleave(128, 1)
+    got = dequantize(QuantWeight(f8, "fp8_block", (130, 256), scales=inv))
+    # One fp32 rounding of an exact fp64 product: relative error at most 2**-24.
+    torch.testing.assert_close(got.double(), ref, rtol=2.0**-24, atol=0)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
