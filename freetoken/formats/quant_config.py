@@ -90,7 +90,7 @@ def load_quant_config(path_or_dir: str | Path) -> QuantConfig | None:
 def _read_json(path: Path) -> dict:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"cannot read JSON: {e}", path=path) from e
     if not isinstance(doc, dict):
         raise FormatError("expected a JSON object at the top level", path=path)
@@ -159,10 +159,10 @@ def _compressed_tensors(qc: dict, path: str | Path) -> QuantConfig:
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, dict):
         raise FormatError("expected an object", path=path, key="quantization_config.config_groups")
-    formats = {g.get("format", fmt) for g in groups.values() if isinstance(g, dict)} or {fmt}
-    if formats != {"nvfp4-pack-quantized"}:
+    formats = [g.get("format", fmt) for g in groups.values() if isinstance(g, dict)] or [fmt]
+    if any(f != "nvfp4-pack-quantized" for f in formats):
         raise FormatError(
-            f"unsupported compressed-tensors format {sorted(map(str, formats))}; only "
+            f"unsupported compressed-tensors format {formats}; only "
             "nvfp4-pack-quantized is supported",
             path=path,
             key="quantization_config.format",

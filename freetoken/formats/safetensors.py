@@ -103,7 +103,7 @@ def _entry(name: str, info: object, path: Path) -> TensorEntry:
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise FormatError("expected exactly dtype, shape, data_offsets", path=path, tensor=name)
     dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise FormatError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}",
                           path=path, tensor=name)
     if not isinstance(shape, list) or not all(_uint(d) for d in shape):
