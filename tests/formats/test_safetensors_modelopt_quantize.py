@@ -144,5 +144,33 @@ def test_tensor_mode_and_refusals(tmp_path):
         quantize_nvfp4(torch.zeros(4, 24))
 
 
+def test_command_line_with_calibration(tmp_path, capsys):
+    """`python -m ... SRC DST` on a real transformers model: input_scale = amax(|x|) / 2688."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from freetoken.formats.modelopt_quantize import main
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "src")
+    assert main([str(tmp_path / "src"), str(tmp_path / "dst"), "--max-shard-bytes", "20000"]) == 0
+    ck = HFCheckpoint(tmp_path / "dst")
+    assert (tmp_path / "dst" / "model.safetensors.index.json").is_file()
+    # Recompute the calibration input of down_proj with transformers itself (same seed/tokens).
+    seen = {}
+    mlp = model.model.layers[0].mlp
+    h = mlp.down_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0]))
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    want = seen["x"].abs().max() / 2688
+    got = ck.tensor("model.layers.0.mlp.down_proj.input_scale")
+    assert got.shape == () and got.item() == pytest.approx(want.item(), rel=1e-6)
+    assert "wrote" in capsys.readouterr().out
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
