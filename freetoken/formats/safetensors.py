@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from freetoken.formats.errors import FormatError
 from freetoken.formats.quant_config import QuantConfig, load_quant_config
@@ -38,13 +39,15 @@ SINGLE = "model.safetensors"
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a validated header; offsets are relative to the data region."""
+    """One tensor of a validated header; begin/end are relative to the data region, which starts
+    at byte `data_start` of the file."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     begin: int
     end: int
+    data_start: int = 0
 
 
 def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
@@ -66,7 +69,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorEntry], dict[str, str
     meta = doc.pop("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FormatError("expected an object of strings", path=path, key="__metadata__")
-    entries = {name: _entry(name, info, path) for name, info in doc.items()}
+    entries = {name: _entry(name, info, path, 8 + n) for name, info in doc.items()}
     _check_tiling(entries, size - 8 - n, path)
     return entries, meta
 
@@ -95,7 +98,7 @@ def _parse_header_json(raw: bytes, path: Path) -> dict:
     return doc
 
 
-def _entry(name: str, info: object, path: Path) -> TensorEntry:
+def _entry(name: str, info: object, path: Path, data_start: int) -> TensorEntry:
     try:
         name.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -116,7 +119,7 @@ def _entry(name: str, info: object, path: Path) -> TensorEntry:
     if offs[1] < offs[0] or offs[1] - offs[0] != nbytes:
         raise FormatError(f"data_offsets {offs} hold {offs[1] - offs[0]} bytes but {dtype} "
                           f"{shape} needs {nbytes}", path=path, tensor=name)
-    return TensorEntry(name, dtype, tuple(shape), offs[0], offs[1])
+    return TensorEntry(name, dtype, tuple(shape), offs[0], offs[1], data_start)
 
 
 def _uint(v: object) -> bool:
@@ -170,7 +173,7 @@ class HFCheckpoint:
                                       tensor=name)
                 self._where[name] = (file, e)
         self._check_index()
-        self._handles: dict[Path, object] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
 
     # -- files and index -----------------------------------------------------------------------
 
@@ -215,15 +218,26 @@ class HFCheckpoint:
         return self._entry(name)[1].shape
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The tensor, memory-mapped by the safetensors library (read-only use expected)."""
-        file, _ = self._entry(name)
-        h = self._handles.get(file)
+        """The tensor as a zero-copy view of the memory-mapped file (copy-on-write mapping, so
+        a stray in-place write never reaches the file). Copied only if misaligned for its dtype."""
+        file, e = self._entry(name)
+        dtype = DTYPES[e.dtype]
+        if e.end == e.begin:
+            return torch.empty(e.shape, dtype=dtype)
+        mm = self._maps.get(file)
         try:
-            if h is None:
-                h = self._handles[file] = safe_open(str(file), framework="pt")
-            return h.get_tensor(name)
-        except Exception as e:  # safety net: the header was validated, so this is unexpected
-            raise FormatError(f"cannot read: {e}", path=file, tensor=name) from e
+            if mm is None:
+                with open(file, "rb") as f:
+                    mm = self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.frombuffer(mm, dtype=torch.uint8, count=e.end - e.begin,
+                                       offset=e.data_start + e.begin)
+        except (OSError, ValueError) as err:  # file changed or vanished since validation
+            raise FormatError(f"cannot map: {err}", path=file, tensor=name) from err
+        if (e.data_start + e.begin) % dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(dtype).reshape(e.shape)
 
     def _entry(self, name: str) -> tuple[Path, TensorEntry]:
         try:
@@ -259,7 +273,7 @@ class HFCheckpoint:
         return summarize(self)
 
     def close(self) -> None:
-        self._handles.clear()
+        self._maps.clear()  # tensors still alive keep their mapping open
 
     def __enter__(self) -> HFCheckpoint:
         return self

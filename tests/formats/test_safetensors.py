@@ -87,6 +87,8 @@ def test_reads_back_every_dtype(tmp_path, shards):
     assert s["tensors"] == len(t) and s["vocab_size"] == 64 and s["context_length"] == 128
     assert s["parameters"] == sum(x.numel() for x in t.values())
     assert s["dtypes"]["F8_E4M3"] == 1 and s["chat_template"] is False
+    ck.tensor("a.f32").add_(1)  # copy-on-write mapping: the file must not change
+    assert same(HFCheckpoint(tmp_path / "m").tensor("a.f32"), t["a.f32"])
 
 
 def test_float_weight(tmp_path):
