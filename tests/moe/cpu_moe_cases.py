@@ -85,3 +85,29 @@ def special_activation(gen: torch.Generator, K: int) -> torch.Tensor:
         x[16:32] = torch.randn(16, generator=gen) * 1e-38
         x[32:48] = torch.randn(16, generator=gen).sign() * 4e-37
     return x
+
+
+def w4a8_layer_model(x, expert_ids, route, w13: QuantWeight, w2: QuantWeight, scales,
+                     activation: str) -> torch.Tensor:
+    """The W4A8 math of the executor's VNNI tiers in float64: NVFP4 weights decoded from the
+    definition, the layer input and the GLU output quantized to int8 per 16 values by the rule;
+    everything else exact. Returns fp32 [T, H]."""
+    W13, W2 = torch.from_numpy(nvfp4_f64(w13)), torch.from_numpy(nvfp4_f64(w2))
+    inter = W13.shape[1] // 2
+
+    def qa(v: torch.Tensor) -> torch.Tensor:
+        q, d = quant_int8_blocks(v.to(torch.float32).numpy(), 16)
+        return torch.from_numpy(q.astype(np.float64) * np.repeat(d.astype(np.float64), 16))
+
+    act = {"silu": torch.nn.functional.silu,
+           "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[activation]
+    s = scales.to(torch.float64)
+    out = torch.zeros(x.shape[0], W2.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        xq = qa(x[t])
+        for j in range(expert_ids.shape[1]):
+            e = int(expert_ids[t, j])
+            h = W13[e] @ xq
+            g = act(h[:inter] * s[e, 0]) * (h[inter:] * s[e, 1])
+            out[t] += float(route[t, j]) * (W2[e] @ qa(g)) * s[e, 2]
+    return out.to(torch.float32)
