@@ -1,0 +1,257 @@
+"""`ft bench cpu-moe`: the CPU MoE executor's GB/s per ISA tier, next to the machine's ceiling.
+
+Measured in one run, per tier:
+- one NVFP4 dot at K = 2048 on one core with its weights in L2 (a ~1 MiB matrix), and on all
+  threads from DRAM (a matrix several times larger than the last-level cache);
+- whole layers (bytes of the experts touched, block scales included, / time) for three shapes
+  at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM;
+- the streaming-read ceiling: AVX-512 streaming loads (AVX2 where absent) on all threads over
+  a buffer several times larger than the last-level cache. Every figure is also given as a
+  percentage of that ceiling.
+Buffers are sized from the LLC and capped by the available memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.formats.qweight import QuantWeight
+from freetoken.moe.cpu_executor import TIERS, CpuMoeExecutor, default_threads, make_bank
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    label: str
+    hidden: int
+    inter: int
+    top_k: int
+    experts: int  # the real model's expert count (routing draws from it)
+    model: str
+
+
+SHAPES = (
+    LayerShape("2048x512 top8", 2048, 512, 8, 256, "Qwen3.6-35B-A3B"),
+    LayerShape("2560x640 top10", 2560, 640, 10, 512, "Qwen3-Next-like (Qwen3.8-Flash-Next)"),
+    LayerShape("2816x704 top8", 2816, 704, 8, 128, "Gemma-4-26B-A4B"),
+)
+BATCHES = (1, 2, 4, 8)
+GiB = 1 << 30
+MIN_SECONDS = 0.25  # each figure: repeat until at least this long
+
+
+# ---------------------------------------------------------------------------
+# machine
+# ---------------------------------------------------------------------------
+def llc_bytes() -> int:
+    best = 32 << 20
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for idx in os.listdir(base):
+            if not idx.startswith("index"):
+                continue
+            size = open(f"{base}/{idx}/size").read().strip()
+            mult = {"K": 1 << 10, "M": 1 << 20, "G": GiB}.get(size[-1], 1)
+            best = max(best, int(size.rstrip("KMG")) * mult)
+    except OSError:
+        pass
+    return best
+
+
+def available_bytes() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * GiB
+
+
+def dram_budget() -> int:
+    """Bytes of weights per DRAM measurement: >= 4x the LLC (at least 1 GiB, at most 4 GiB),
+    never more than a quarter of the available memory."""
+    want = min(4 * GiB, max(GiB, 4 * llc_bytes()))
+    return max(256 << 20, min(want, available_bytes() // 4))
+
+
+def _fill(buf: torch.Tensor, seed: int) -> None:
+    """Touch every page with random-looking bytes, cheaply (a 1 MiB pattern tiled)."""
+    flat = buf.view(-1)
+    pat = torch.randint(0, 256, (1 << 20,), generator=torch.Generator().manual_seed(seed),
+                        dtype=torch.int32).to(torch.uint8)
+    n = flat.numel() // pat.numel() * pat.numel()
+    flat[:n].view(-1, pat.numel()).copy_(pat)
+    flat[n:] = pat[: flat.numel() - n]
+
+
+def nvfp4_bank(E: int, N: int, K: int, seed: int) -> QuantWeight:
+    data = torch.empty(E, N, K // 2, dtype=torch.uint8)
+    _fill(data, seed)
+    # Scales: E4M3 0.5..2 (no NaN, no subnormals, so no slow float paths).
+    scales = torch.empty(E, N, K // 16, dtype=torch.uint8)
+    _fill(scales, seed + 1)
+    scales = ((scales & 0x0F) | 0x30).view(torch.float8_e4m3fn)
+    return QuantWeight(data, "nvfp4", (E, N, K), scales=scales)
+
+
+def _repeat(fn, min_seconds: float = MIN_SECONDS) -> tuple[float, int]:
+    """Call fn(iters) -> seconds with growing iters until it runs min_seconds."""
+    iters = 1
+    while True:
+        t = fn(iters)
+        if t >= min_seconds or iters >= 1 << 20:
+            return t, iters
+        iters = max(iters * 2, int(iters * min_seconds / max(t, 1e-6) * 1.2))
+
+
+# ---------------------------------------------------------------------------
+# measurements
+# ---------------------------------------------------------------------------
+def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int) -> float:
+    n = buf.numel() // threads // 256 * 256 * threads
+    t, it = _repeat(lambda i: ex._ex.time_stream(buf.data_ptr(), buf.numel(), i, threads))
+    return n * it / t / 1e9
+
+
+def dot_l2(ex: CpuMoeExecutor) -> float:
+    K, N = 2048, 896  # 896 rows x 1152 B = 1 MiB: fits a 2 MiB L2
+    w = nvfp4_bank(1, N, K, 7)
+    x = torch.randn(K)
+    bank = make_bank(w, "w")
+    t, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, 1))
+    return w.nbytes() * it / t / 1e9
+
+
+def dot_dram(ex: CpuMoeExecutor, w: QuantWeight) -> float:
+    x = torch.randn(w.shape[-1])
+    bank = make_bank(w, "w")
+    ex._ex.time_dot(bank, 0, x.data_ptr(), 1, ex.num_threads)  # warm the pool
+    t, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, ex.num_threads))
+    return w.nbytes() * it / t / 1e9
+
+
+class LayerBench:
+    """L layers of one shape in a pool; call i runs layer i % L with random top-k routing."""
+
+    def __init__(self, shape: LayerShape, budget: int):
+        H, inter = shape.hidden, shape.inter
+        per_expert = 2 * inter * H * 9 // 16 + H * inter * 9 // 16  # codes + E4M3 scales
+        pool = max(budget // per_expert, 2 * shape.top_k)
+        self.layers = max(1, pool // shape.experts)
+        self.experts = min(shape.experts, pool)  # experts per layer actually allocated
+        E = self.layers * self.experts
+        self.shape, self.expert_bytes = shape, per_expert
+        self.w13 = nvfp4_bank(E, 2 * inter, H, 11)
+        self.w2 = nvfp4_bank(E, H, inter, 13)
+        self.scales = torch.ones(E, 4)
+        self.banks = (make_bank(self.w13, "w13"), make_bank(self.w2, "w2"))
+
+    def routing(self, iters: int, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        g = torch.Generator().manual_seed(seed)
+        k = self.shape.top_k
+        ids = torch.rand(iters * T, self.experts, generator=g).argsort(dim=1)[:, :k]
+        ids = ids.view(iters, T, k) + (torch.arange(iters) % self.layers).view(-1, 1, 1) * \
+            self.experts
+        touched = sum(len(torch.unique(ids[i])) for i in range(iters))
+        route = torch.full((iters, T, k), 1.0 / k)
+        return ids.to(torch.int32).contiguous(), route, touched * self.expert_bytes
+
+    def gbps(self, ex: CpuMoeExecutor, T: int) -> float:
+        x = torch.randn(T, self.shape.hidden)
+        out = torch.empty(T, self.shape.hidden)
+
+        def run(iters: int, seed: int) -> tuple[float, int]:
+            ids, route, nbytes = self.routing(iters, T, seed)
+            t = ex._ex.time_forward(x.data_ptr(), T, self.shape.top_k, ids.data_ptr(),
+                                    route.data_ptr(), *self.banks, self.scales.data_ptr(), 0,
+                                    out.data_ptr(), iters)
+            return t, nbytes
+
+        t, _ = run(4, 0)  # warm-up and an estimate of one call
+        iters = max(8, min(4000, int(MIN_SECONDS / max(t / 4, 1e-6))))
+        t, nbytes = run(iters, 1)
+        return nbytes / t / 1e9
+
+
+# ---------------------------------------------------------------------------
+# the whole benchmark
+# ---------------------------------------------------------------------------
+def host_tiers(requested: str | None) -> list[str]:
+    from freetoken import _cpu_moe
+
+    have = [t.strip() for t in _cpu_moe.supported_tiers().split(",")]
+    if not requested:
+        return [t for t in TIERS if t in have]
+    out = []
+    for name in requested.split(","):
+        tier = CpuMoeExecutor(1, isa=name.strip()).isa  # a cap name resolves to its tier
+        if tier not in out:
+            out.append(tier)
+    return out
+
+
+def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> dict:
+    threads = threads or default_threads()
+    tiers = host_tiers(isa)
+    budget = dram_budget()
+    log(f"CPU MoE bench: {platform.processor() or platform.machine()}, {threads} threads, "
+        f"tiers {', '.join(tiers)}; DRAM buffers {budget / GiB:.2f} GiB (LLC "
+        f"{llc_bytes() / (1 << 20):.0f} MiB)")
+    t0 = time.time()
+    big = nvfp4_bank(1, budget // 1152, 2048, 3)  # K = 2048 rows of 1152 B
+    best = CpuMoeExecutor(threads, isa=tiers[0])
+    res = {"threads": threads, "tiers": tiers, "dram_bytes": big.nbytes(),
+           "ceiling_gbps": ceiling(best, big.data, threads),
+           "ceiling_1thread_gbps": ceiling(best, big.data, 1), "figures": {}}
+    log(f"read ceiling ({best.isa} stream loads): {res['ceiling_gbps']:.1f} GB/s on {threads} "
+        f"threads, {res['ceiling_1thread_gbps']:.1f} GB/s on one")
+    figs: dict[str, dict[str, float]] = {}
+    for tier in tiers:
+        ex = CpuMoeExecutor(threads, isa=tier)
+        figs.setdefault("dot K=2048, 1 core, L2", {})[tier] = dot_l2(ex)
+        figs.setdefault(f"dot K=2048, {threads} thr, DRAM", {})[tier] = dot_dram(ex, big)
+        log(f"  {tier}: dots done ({time.time() - t0:.0f} s)")
+    del big
+    for shape in SHAPES:
+        lb = LayerBench(shape, budget)
+        res.setdefault("layers", {})[shape.label] = {
+            "model": shape.model, "experts": shape.experts, "layers_cycled": lb.layers,
+            "experts_allocated_per_layer": lb.experts}
+        for tier in tiers:
+            ex = CpuMoeExecutor(threads, isa=tier)
+            for T in BATCHES:
+                figs.setdefault(f"{shape.label} bs={T}", {})[tier] = lb.gbps(ex, T)
+        log(f"  {shape.label} ({shape.model}, {lb.layers} layers x {lb.experts} experts): done "
+            f"({time.time() - t0:.0f} s)")
+        del lb
+    res["figures"] = figs
+    res["seconds"] = time.time() - t0
+    return res
+
+
+def format_table(res: dict) -> str:
+    c = res["ceiling_gbps"]
+    tiers = res["tiers"]
+    head = f"{'GB/s (% of ceiling)':<28}" + "".join(f"{t:>18}" for t in tiers)
+    lines = [head, "-" * len(head)]
+    for name, row in res["figures"].items():
+        cells = "".join(f"{row[t]:>9.1f} ({100 * row[t] / c:>4.0f}%)" for t in tiers)
+        lines.append(f"{name:<28}{cells}")
+    lines.append(f"read ceiling: {c:.1f} GB/s on {res['threads']} threads "
+                 f"({res['ceiling_1thread_gbps']:.1f} on one); {res['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def main(threads: int | None, isa: str | None, json_path: str | None) -> int:
+    res = run_bench(threads, isa)
+    print(format_table(res))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
