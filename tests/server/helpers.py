@@ -89,8 +89,11 @@ class ThreadServer:
         self.thread.join(10)
 
 
-def metric(base: str, name: str, **labels: str) -> float:
-    """One sample of /metrics (the sum over series when labels leave some open)."""
+def metric(base: str, name: str, default: float | None = None, **labels: str) -> float:
+    """One sample of /metrics (the sum over series when labels leave some open).
+
+    `default` is returned for a series that does not exist (yet); else that is a KeyError.
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(base + "/metrics", timeout=10).text
@@ -99,6 +102,8 @@ def metric(base: str, name: str, **labels: str) -> float:
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total, seen = total + s.value, True
+    if not seen and default is not None:
+        return default
     if not seen:
         raise KeyError(f"metric {name} {labels} not in /metrics")
     return total
