@@ -1,0 +1,139 @@
+"""Dots of the non-NVFP4 formats (bf16, f16, f32, fp8_block, mxfp4, GGUF Q4_0 / Q8_0 / Q4_K /
+Q6_K) on each vectorized build of the portable kernels (scalar, avx2_fp32, avx512_fp32 and the
+VNNI tiers that reuse them), against float64 references of the dequantized weights.
+
+References: torch's own bf16/f16 -> float64 conversion; fp8 and mxfp4 decoded from the format
+definitions (E4M3 table, E8M0 = 2^(b-127), E2M1); GGUF through gguf-py's numpy
+`gguf.quants.dequantize` (bit-exact with llama.cpp). Float formats take fp32 activations; GGUF
+integer formats take activations quantized to int8 per 32 values (like llama.cpp's q8_0), done
+here in numpy by the rule. Bound: |err| <= (K/16 + 8) * 2^-22 * sum|w*a| (fp32 rounding of the
+block products and a fixed-order sum; gguf-py's fp32 dequant adds one more ulp per weight).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from cpu_moe_cases import E2M1, e4m3_values, quant_int8_blocks
+
+from freetoken import _cpu_moe
+from freetoken.formats.qweight import QuantWeight
+from freetoken.moe.cpu_executor import CpuMoeExecutor
+
+HOST_TIERS = [t.strip() for t in _cpu_moe.supported_tiers().split(",")]
+TIERS = [t for t in ("scalar", "avx2_fp32", "avx512_fp32", "avx512_vnni") if t in HOST_TIERS]
+N = 300  # 3 fp8 row blocks, the last partial
+Q = gguf.GGMLQuantizationType
+
+
+def _randint(gen, shape, lo, hi) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32)
+
+
+def make_float(fmt: str, gen, K: int):
+    dt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[fmt]
+    data = torch.randn(2, N, K, generator=gen).to(dt)
+    return QuantWeight(data, fmt, (2, N, K)), data[1].double().numpy()
+
+
+def make_fp8(gen, K: int):
+    b = _randint(gen, (2, N, K), 0, 256)
+    b = torch.where((b & 0x7F) == 0x7F, 0x38, b).to(torch.uint8)  # no NaN codes
+    nb = (2, -(-N // 128), -(-K // 128))
+    s = torch.rand(nb, generator=gen) * 2 + 0.01
+    w = QuantWeight(b.view(torch.float8_e4m3fn), "fp8_block", (2, N, K), scales=s)
+    ref = e4m3_values()[b[1].numpy()] * np.repeat(np.repeat(s[1].double().numpy(), 128, 0),
+                                                  128, 1)[:N, :K]
+    return w, ref
+
+
+def make_mxfp4(gen, K: int):
+    codes = _randint(gen, (2, N, K // 2), 0, 256).to(torch.uint8)
+    e8 = _randint(gen, (2, N, K // 32), 120, 134).to(torch.uint8)
+    w = QuantWeight(codes, "mxfp4", (2, N, K), scales=e8)
+    c = codes[1].numpy()
+    vals = E2M1[np.stack([c & 15, c >> 4], -1).reshape(N, K)]
+    return w, vals * np.repeat(2.0 ** (e8[1].numpy().astype(np.float64) - 127), 32, 1)
+
+
+# byte offsets of the fp16 scale fields in each block (set to sane values; the rest random)
+GGUF_FIELDS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def make_gguf(qtype, gen, K: int, n: int = N):
+    bs, bb = gguf.GGML_QUANT_SIZES[qtype]
+    raw = _randint(gen, (2, n, K // bs, bb), 0, 256).to(torch.uint8).numpy()
+    for off in GGUF_FIELDS[qtype]:
+        d = (np.random.default_rng(K + off).random((2, n, K // bs)) * 0.02 + 1e-3)
+        raw[..., off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(2, n, K // bs, 2)
+    data = torch.from_numpy(raw.reshape(2, n, K // bs * bb).copy())
+    w = QuantWeight(data, "gguf", (2, n, K), ggml_type=int(qtype))
+    ref = gguf.quants.dequantize(raw[1].reshape(n, -1), qtype).astype(np.float64)
+    return w, ref
+
+
+CASES = {
+    "f32": (lambda g, K: make_float("f32", g, K), [200, 2048], False),
+    "f16": (lambda g, K: make_float("f16", g, K), [200, 2048], False),
+    "bf16": (lambda g, K: make_float("bf16", g, K), [200, 2048], False),
+    "fp8_block": (make_fp8, [320, 2048], False),
+    "mxfp4": (make_mxfp4, [736, 2048], False),
+    "Q4_0": (lambda g, K: make_gguf(Q.Q4_0, g, K), [736, 2048], True),
+    "Q8_0": (lambda g, K: make_gguf(Q.Q8_0, g, K), [736, 2048], True),
+    "Q4_K": (lambda g, K: make_gguf(Q.Q4_K, g, K), [768, 2048], True),
+    "Q6_K": (lambda g, K: make_gguf(Q.Q6_K, g, K), [768, 2048], True),
+}
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", list(CASES))
+def test_format_dot_vs_float64(fmt: str, tier: str):
+    make, ks, int8_acts = CASES[fmt]
+    ex = CpuMoeExecutor(2, isa=tier)
+    worst = 0.0
+    for K in ks:
+        gen = torch.Generator().manual_seed(K)
+        w, W = make(gen, K)
+        x = torch.randn(3, K, generator=gen)
+        x[0, :32] = 0  # an all-zero activation block
+        out = ex.expert_matmul(w, 1, x).numpy().astype(np.float64)  # [3, N]
+        for t in range(3):
+            if int8_acts:
+                q, d = quant_int8_blocks(x[t].numpy(), 32)
+                a = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32)
+            else:
+                a = x[t].numpy().astype(np.float64)
+            ref = W @ a
+            err = np.abs(out[t] - ref)
+            bound = (K / 16 + 8) * 2.0**-22 * (np.abs(W) @ np.abs(a))
+            assert np.all(err <= bound), f"{fmt} {tier} K={K}: err {err.max():.3g}"
+            worst = max(worst, err.max() / np.abs(ref).max())
+    print(f"\n{fmt} on {tier}: max rel err {worst:.2e}")
+
+
+def test_mixed_formats_layer_thread_invariant():
+    """A Q4_K gate/up bank with a Q6_K down bank (a Q4_K_M file): 1 vs 3 threads identical."""
+    from freetoken.moe.reference import moe_reference
+
+    gen = torch.Generator().manual_seed(0)
+    w13, _ = make_gguf(Q.Q4_K, gen, 256, n=512)  # [2, 2I = 512, H = 256]
+    w2, _ = make_gguf(Q.Q6_K, gen, 256, n=256)  # [2, H = 256, I = 256]
+    x = torch.randn(4, 256, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1], [0, 0]])
+    r = torch.rand(4, 2, generator=gen)
+    scales = torch.ones(2, 4)
+    one = CpuMoeExecutor(1).forward(x, ids, r, w13, w2, scales)
+    many = CpuMoeExecutor(3).forward(x, ids, r, w13, w2, scales)
+    assert torch.equal(one, many)
+    ref = moe_reference(x, ids, r, w13, w2, scales)
+    err = float((one - ref).abs().max() / ref.abs().max())
+    print(f"\nQ4_K/Q6_K layer vs torch reference: {err:.2e}")
+    assert err < 2e-2
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-s"]))
