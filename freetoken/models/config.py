@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 from freetoken.formats.errors import FormatError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
 # HF model_type -> our arch name.
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-                  "gemma3": "gemma3"}
+                  "gemma3": "gemma3", "qwen3_moe": "qwen3_moe"}
+# GGUF general.architecture -> our arch name (where they differ).
+GGUF_ARCHS = {"qwen3moe": "qwen3_moe"}
 # Gemma 3 hyperparameters that llama.cpp hard-codes (not in the GGUF): FACTS.md.
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
@@ -44,6 +46,20 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     final_logit_softcap: float | None = None
     attn_logit_softcap: float | None = None
+    # MoE (0 experts: dense). Layers listed in mlp_only_layers, or not on the sparse step,
+    # keep a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        step = max(1, self.decoder_sparse_step)
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % step == 0)
 
     @property
     def scale(self) -> float:
@@ -112,6 +128,36 @@ def from_hf(config: dict, path=None) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_ids(c.get("eos_token_id")),
         final_logit_softcap=c.get("final_logit_softcapping"),
         attn_logit_softcap=c.get("attn_logit_softcapping"),
+        **_hf_moe(c),
+    )
+
+
+def _hf_moe(c: dict) -> dict:
+    """MoE fields of an HF text config (empty for dense models)."""
+    n = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    if not n:
+        return {}
+    return dict(
+        num_experts=n, num_experts_per_tok=int(c["num_experts_per_tok"]),
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+        norm_topk_prob=bool(c.get("norm_topk_prob", True)),
+        decoder_sparse_step=int(c.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in c.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _gguf_moe(md: dict, a: str) -> dict:
+    """MoE fields from llama.cpp's metadata; llama.cpp renormalises top-k unless told not to."""
+    n = int(md.get(f"{a}.expert_count") or 0)
+    if not n:
+        return {}
+    return dict(
+        num_experts=n, num_experts_per_tok=int(md[f"{a}.expert_used_count"]),
+        moe_intermediate_size=int(md[f"{a}.expert_feed_forward_length"]),
+        norm_topk_prob=bool(md.get(f"{a}.expert_weights_norm", True)),
+        shared_expert_intermediate_size=int(
+            md.get(f"{a}.expert_shared_feed_forward_length") or 0),
     )
 
 
@@ -127,7 +173,7 @@ def _gguf_scaling(md: dict, a: str) -> dict | None:
 def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
     """Parse GGUF metadata (llama.cpp key names). vocab_size: rows of token_embd."""
     a = md.get("general.architecture")
-    if a not in SUPPORTED:
+    if GGUF_ARCHS.get(a, a) not in SUPPORTED:
         raise FormatError(f"unknown architecture {a!r}; supported: {', '.join(SUPPORTED)}",
                           path=path, key="general.architecture")
 
@@ -143,13 +189,14 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
     gemma = a == "gemma3"
     eos = md.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
-        arch=a, vocab_size=vocab_size, hidden_size=hidden,
+        arch=GGUF_ARCHS.get(a, a), vocab_size=vocab_size, hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_layers=n, num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
         max_position=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=_gguf_scaling(md, a),
-        rope_local_theta=GEMMA3_LOCAL_THETA if gemma else None,
+        rope_local_theta=float(md.get(f"{a}.rope.freq_base_swa", GEMMA3_LOCAL_THETA)) if gemma
+        else None,
         sliding_window=int(get("attention.sliding_window")) if gemma else None,
         layer_types=tuple("full" if not gemma or (i + 1) % GEMMA3_SWA_PATTERN == 0 else "sliding"
                           for i in range(n)),
@@ -158,6 +205,7 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_ids=_ids(eos),
         final_logit_softcap=md.get(f"{a}.final_logit_softcapping"),
         attn_logit_softcap=md.get(f"{a}.attn_logit_softcapping"),
+        **_gguf_moe(md, a),
     )
 
 

@@ -19,6 +19,7 @@ from freetoken.formats.errors import FormatError
 from freetoken.formats.qweight import QuantWeight
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear, take_rows
+from freetoken.layers.moe import FusedExperts
 from freetoken.layers.norm import RMSNorm
 
 # Architectures whose GGUF q/k rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -40,7 +41,7 @@ def targets(model: nn.Module) -> list[Target]:
         if isinstance(mod, Linear):
             parent = path.rsplit(".", 1)[0]
             out += [Target(f"{parent}.{p}" if p else path, mod, p) for p in mod.parts]
-        elif isinstance(mod, (RMSNorm, Embedding)):
+        elif isinstance(mod, (RMSNorm, Embedding, FusedExperts)):
             out.append(Target(path, mod))
     return out
 
@@ -112,7 +113,15 @@ class Loader:
                 path=self.src.path, tensor=key)
         return qw
 
+    def expert_key(self, hf_prefix: str, part: str) -> str:
+        """The file prefix of stacked experts' `part` (GGUF `blk.N.ffn_gate_exps`)."""
+        return self._file_key(f"{hf_prefix}.{part}")
+
     def _load(self, t: Target, names: set[str]) -> None:
+        if isinstance(t.module, FusedExperts):
+            from freetoken.models.loader_moe import load_experts
+
+            return load_experts(self, t, names)
         key = self._file_key(t.hf_prefix)
         if key + ".weight" not in names:
             self.missing.append(key + ".weight")

@@ -12,6 +12,7 @@ _CLASSES = {
     "qwen2": ("freetoken.models.qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("freetoken.models.qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("freetoken.models.gemma3", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 assert set(_CLASSES) == set(SUPPORTED)
 

@@ -8,6 +8,7 @@ differences are ~1e-6 relative after a few layers; any convention error (rotary 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -32,6 +33,20 @@ def test_state_dict_matches_transformers(arch):
     err = tm.rel_err(prefill_logits(model, seqs), tm.hf_logits(hf, seqs))
     print(f"{arch}: max |diff| / max |logit| = {err:.2e}")
     assert err <= TOL
+
+
+@pytest.mark.parametrize("arch,change", [
+    ("gemma3", {"attn_scale": 48**-0.5}),  # a query scale other than the checkpoint's
+    ("gemma3", {"sliding_window": None}),  # local layers attending globally
+    ("llama", {"rope_scaling": None}),  # llama3 rope scaling dropped
+])
+def test_tolerance_catches_convention_errors(arch, change):
+    """The same comparison fails by orders of magnitude when one hyperparameter is wrong."""
+    hf = tm.make_hf_model(arch)
+    model = build_model(dataclasses.replace(from_hf(hf.config.to_dict()), **change))
+    load_weights(model, StateDictSource(hf.state_dict()), show_progress=False)
+    seqs = tm.prompts()
+    assert tm.rel_err(prefill_logits(model, seqs), tm.hf_logits(hf, seqs)) > 100 * TOL
 
 
 if __name__ == "__main__":

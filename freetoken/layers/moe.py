@@ -1,0 +1,124 @@
+"""Sparse MoE blocks: router scoring as each architecture defines it, routed experts in an
+`ExpertBank` run by a MoE backend, optional shared experts.
+
+Scoring (logits are computed in fp32 from the router's float weight):
+- `softmax`: p = softmax(logits), top-k of p, optionally renormalised to sum 1 (qwen3-moe
+  `norm_topk_prob`, qwen3.5-moe);
+- `sigmoid`: p = sigmoid(logits), experts chosen by top-k of p + correction bias, weights are
+  p of the chosen experts (without the bias), renormalised (minimax-m2, llama.cpp's
+  `exp_probs_b`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from freetoken.formats.errors import FormatError
+from freetoken.formats.qweight import QuantWeight
+from freetoken.layers.linear import Linear
+from freetoken.layers.mlp import GatedMLP
+from freetoken.moe.backends import get_backend
+from freetoken.moe.banks import ExpertBank, bank_from_merged, build_bank
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One sparse MoE layer's hyperparameters."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    intermediate: int  # per expert
+    activation: str = "silu"  # GLU of the experts: silu | gelu_tanh
+    scoring: str = "softmax"  # softmax | sigmoid
+    renormalize: bool = True
+    shared_intermediate: int = 0  # 0: no shared expert
+    shared_gate: bool = False  # qwen: sigmoid(x @ w) gates the shared expert's output
+    backend: str = "fused"
+
+
+def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids int64 [T, k], routing weights fp32 [T, k])."""
+    logits = logits.float()
+    if spec.scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        w, ids = torch.topk(probs, spec.top_k, dim=-1)
+    elif spec.scoring == "sigmoid":
+        probs = torch.sigmoid(logits)
+        choice = probs if bias is None else probs + bias.float()
+        ids = torch.topk(choice, spec.top_k, dim=-1).indices
+        w = probs.gather(1, ids)
+    else:
+        raise ValueError(f"unknown router scoring {spec.scoring!r}")
+    if spec.renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+class FusedExperts(nn.Module):
+    """The routed experts of one layer: an ExpertBank filled by the loader.
+
+    `part_names`: the per-expert module names in HF checkpoints (gate, up, down).
+    """
+
+    def __init__(self, spec: MoESpec, part_names: tuple[str, str, str] = (
+            "gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.spec, self.part_names = spec, part_names
+        self.bank: ExpertBank | None = None
+        self.backend = get_backend(spec.backend)
+
+    def _check(self, bank: ExpertBank) -> ExpertBank:
+        s = self.spec
+        want = (s.num_experts, 2 * s.intermediate, s.hidden_size)
+        if tuple(bank.w13.shape) != want:
+            raise FormatError(f"expert bank shape {list(bank.w13.shape)}, expected "
+                              f"{list(want)}", tensor=bank.w13.source)
+        return bank
+
+    def load_parts(self, gate: QuantWeight, up: QuantWeight, down: QuantWeight) -> None:
+        """Stacked `[E, I, H]` gate and up, `[E, H, I]` down."""
+        self.bank = self._check(build_bank(gate, up, down))
+
+    def load_merged(self, gate_up: QuantWeight, down: QuantWeight) -> None:
+        self.bank = self._check(bank_from_merged(gate_up, down))
+
+    def finalize(self, dtype: torch.dtype, device) -> None:
+        self.bank = self.bank.to(dtype, device)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.backend(x, self.bank, ids, w, self.spec.activation)
+
+
+class SparseMoE(nn.Module):
+    """y = sum_k w_k expert_k(x) (+ shared expert), HF module names `gate`, `experts`,
+    `shared_expert`, `shared_expert_gate` (qwen naming; other archs subclass or rename)."""
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        self.spec = spec
+        self.gate = Linear(spec.hidden_size, spec.num_experts)
+        self.experts = FusedExperts(spec)
+        if spec.shared_intermediate:
+            self.shared_expert = GatedMLP(spec.hidden_size, spec.shared_intermediate,
+                                          spec.activation)
+        if spec.shared_gate:
+            self.shared_expert_gate = Linear(spec.hidden_size, 1)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x).float()  # in the activation dtype, as HF computes it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = route(self.router_logits(x), self.spec)
+        y = self.experts(x, ids, w)
+        if self.spec.shared_intermediate:
+            sh = self.shared_expert(x)
+            if self.spec.shared_gate:
+                sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
+            y = y + sh
+        return y
+

@@ -1,0 +1,63 @@
+"""Loading routed experts into `FusedExperts` banks (called by models/loader.py).
+
+Sources and their expert names (HF prefix `P` = `model.layers.N.mlp.experts`, part names from
+the module, e.g. gate_proj / up_proj / down_proj or minimax's w1 / w3 / w2):
+- HF safetensors: one module per expert, `P.{e}.{part}` (any format, NVFP4 with its
+  `weight_scale_2` per expert): stacked into `[E, ...]` here;
+- transformers' in-memory state dicts: `P.gate_up_proj` `[E, 2I, H]` and `P.down_proj`;
+- GGUF: `blk.N.ffn_{gate,up,down}_exps` `[E, ...]` with an optional per-expert `.scale`, or a
+  merged `ffn_gate_up_exps` (whose per-expert scale is refused, see formats/scales.py).
+"""
+
+from __future__ import annotations
+
+from freetoken.models.sources import float_weight
+from freetoken.moe.banks import stack_experts
+
+
+def load_experts(ld, t, names: set[str]) -> None:
+    """Fill `t.module` (FusedExperts) from loader `ld`'s source; missing names go to
+    `ld.missing`, consumed ones to `ld.used`."""
+    if ld.src.kind == "gguf":
+        _gguf(ld, t, names)
+    elif f"{t.hf_prefix}.gate_up_proj" in names:
+        _state_dict(ld, t)
+    else:
+        _per_expert(ld, t, names)
+
+
+def _gguf(ld, t, names: set[str]) -> None:
+    mod = t.module
+    keys = [ld.expert_key(t.hf_prefix, p) for p in mod.part_names]
+    merged = keys[0].replace("ffn_gate_exps", "ffn_gate_up_exps")
+    if merged != keys[0] and merged + ".weight" in names:
+        keys = [merged, keys[2]]
+    lack = [k + ".weight" for k in keys if k + ".weight" not in names]
+    if lack:
+        ld.missing.extend(lack)
+        return
+    ws = [ld._weight(k) for k in keys]
+    if len(ws) == 2:
+        mod.load_merged(*ws)
+    else:
+        mod.load_parts(*ws)
+
+
+def _state_dict(ld, t) -> None:
+    gu, down = f"{t.hf_prefix}.gate_up_proj", f"{t.hf_prefix}.down_proj"
+    ld.used.update((gu, down))
+    mod = t.module
+    mod.load_merged(float_weight(ld.src.tensor(gu), gu), float_weight(ld.src.tensor(down), down))
+
+
+def _per_expert(ld, t, names: set[str]) -> None:
+    mod = t.module
+    parts = []
+    for p in mod.part_names:
+        keys = [f"{t.hf_prefix}.{e}.{p}" for e in range(mod.spec.num_experts)]
+        lack = [k + ".weight" for k in keys if k + ".weight" not in names]
+        if lack:
+            ld.missing.extend(lack)
+            return
+        parts.append(stack_experts([ld._weight(k) for k in keys]))
+    mod.load_parts(*parts)

@@ -1,0 +1,150 @@
+"""Small random-weight HF MoE models (made with transformers), saved with SmolLM2's tokenizer so
+llama.cpp's converter accepts them; their GGUF conversions and ModelOpt NVFP4 copies.
+
+qwen3_moe: 2 layers, 8 experts, top-2 (renormalised, as llama.cpp always does), hidden 128,
+4 query / 2 KV heads of 32, expert FFN 64 (every matrix input size is a multiple of 64 for the
+converter's NVFP4 repack). Weights are redrawn with a larger spread than HF's init so logits
+and routing are far from uniform and convention errors show.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import tiny_models as tm
+import torch
+import util
+
+SEED = 4321
+_COMMON = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+               eos_token_id=2, pad_token_id=2)
+
+
+def hf_config(arch: str, **over):
+    import transformers as tf
+
+    if arch == "qwen3_moe":
+        kw = dict(_COMMON, num_hidden_layers=2, intermediate_size=256, moe_intermediate_size=64,
+                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                  tie_word_embeddings=False, rope_theta=1e6)
+        return tf.Qwen3MoeConfig(**{**kw, **over})
+    raise ValueError(arch)
+
+
+def _randomize(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif "gate.weight" in name or "router" in name:  # routers: clear top-k margins
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=g))
+
+
+def make_hf_model(arch: str, seed: int = SEED, **over):
+    """A random fp32 transformers model (not saved)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(arch, **over), dtype=torch.float32)
+    _randomize(model, seed)
+    return model.eval()
+
+
+def _save(model, out: Path) -> Path:
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in util.smollm2_tokenizer_dir().iterdir():
+        shutil.copy(f, tmp / f.name)
+    tmp.rename(out)
+    return out
+
+
+def hf_dir(arch: str) -> Path:
+    """The model saved as an HF directory with SmolLM2's tokenizer (cached)."""
+    out = util.test_cache() / f"tiny-moe-{arch}-v1"
+    return out if (out / "config.json").exists() else _save(make_hf_model(arch), out)
+
+
+def nvfp4_dir(arch: str) -> Path:
+    """A ModelOpt NVFP4 copy of hf_dir(arch) by our quantizer: every matrix and every expert
+    gets its own weight_scale_2 = amax / (6 * 448), far from 1, so a dropped scale shows."""
+    from freetoken.formats.modelopt_quantize import quantize_checkpoint
+
+    out = util.test_cache() / f"tiny-moe-{arch}-v1-nvfp4"
+    if (out / "config.json").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    quantize_checkpoint(hf_dir(arch), tmp, scale2="tensor")
+    tmp.rename(out)
+    return out
+
+
+def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
+    """llama.cpp's converter on `src` (default hf_dir(arch)), cached next to it."""
+    src = src or hf_dir(arch)
+    return util.convert_hf_to_gguf(src, outtype, src.with_name(f"{src.name}-{outtype}.gguf"))
+
+
+prompts = tm.prompts
+hf_logits = tm.hf_logits
+rel_err = tm.rel_err
+
+
+def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a GGUF dequantized by gguf-py's numpy `gguf.quants` (not our codecs),
+    with each NVFP4 weight's `.scale` folded in (per tensor or per expert)."""
+    import gguf
+    import numpy as np
+
+    r = gguf.GGUFReader(str(path))
+    raw = {t.name: t for t in r.tensors}
+    out = {}
+    for name, t in raw.items():
+        if name.endswith((".scale", ".input_scale")):
+            continue
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.ascontiguousarray(
+            gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+        sname = name.removesuffix(".weight") + ".scale"
+        if sname in raw:
+            s = torch.from_numpy(np.array(raw[sname].data, dtype=np.float32)).reshape(-1)
+            w = w * (s.reshape(-1, 1, 1) if w.dim() == 3 and s.numel() > 1 else s)
+        out[name] = w
+    return out
+
+
+def gguf_reference(arch: str, path: Path):
+    """transformers' model of `arch` (config from hf_config) holding the GGUF's dequantized
+    weights: the "dequantize, then float matmul" truth for a converted file. transformers' own
+    GGUF loader misreads qwen3moe's expert width, so the weights go in by gguf-py's name map."""
+    import gguf
+
+    ref = make_hf_model(arch)
+    w = _gguf_tensors(path)
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf.GGUFReader(str(path)).fields[
+        "general.architecture"].contents().upper().replace("-", "_")], ref.config.num_hidden_layers)
+
+    def get(hf: str) -> torch.Tensor:
+        name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        name = name if name in w else f"{name}.weight"  # stacked experts: no suffix in HF
+        if name not in w:
+            raise KeyError(f"{path.name}: no tensor for {hf} ({name})")
+        return w.pop(name)
+
+    sd = {}
+    for k in ref.state_dict():
+        if k.endswith("experts.gate_up_proj"):
+            p = k.removesuffix(".gate_up_proj")
+            sd[k] = torch.cat([get(p + ".gate_proj"), get(p + ".up_proj")], dim=1)
+        else:
+            sd[k] = get(k)
+    assert not w, f"unused GGUF tensors {sorted(w)}"
+    ref.load_state_dict(sd)
+    return ref.eval()
