@@ -1,0 +1,33 @@
+"""MoE backends: how a layer's routed experts are computed, chosen by name.
+
+Only `fused` exists now (every expert resident on the compute device, computed by the kernel
+entry point `freetoken.kernels.moe.fused_moe`). `offload`, `hybrid` and `cpu` will register
+here and read the same `ExpertBank`s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from freetoken.moe.banks import ExpertBank
+
+# (x [T, H], bank, topk_ids [T, k], topk_weights [T, k], activation) -> y [T, H]
+MoEFn = Callable[[torch.Tensor, ExpertBank, torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+
+def _fused(x, bank, topk_ids, topk_weights, activation):
+    from freetoken.kernels.moe import fused_moe
+
+    return fused_moe(x, bank, topk_ids, topk_weights, activation)
+
+
+BACKENDS: dict[str, MoEFn] = {"fused": _fused}
+
+
+def get_backend(name: str) -> MoEFn:
+    """The backend function registered as `name`, or ValueError listing the known ones."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown MoE backend {name!r}; available: {', '.join(BACKENDS)}")
+    return BACKENDS[name]
