@@ -57,7 +57,8 @@ def test_gguf(arch, outtype):
     model, src = load_model(path, show_progress=False)
     assert src.kind == "gguf" and model.config.arch == arch
     seqs = tm.prompts()
-    err = tm.rel_err(prefill_logits(model, seqs), tm.hf_logits(_hf_gguf_reference(arch, path), seqs))
+    ref = tm.hf_logits(_hf_gguf_reference(arch, path), seqs)
+    err = tm.rel_err(prefill_logits(model, seqs), ref)
     print(f"{arch} gguf {outtype}: {err:.2e}")
     assert err <= TOL
 

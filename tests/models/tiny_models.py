@@ -5,8 +5,9 @@ Sizes: hidden 128, 4 query heads / 2 KV heads of 32, FFN 256, 3 layers (gemma3: 
 sliding and global layers run), vocab 49152 (the tokenizer's). Every matrix input size is a
 multiple of 64 (llama.cpp's NVFP4 repacking needs it). Gemma 3's query scale is
 1/sqrt(head_dim) as in every Gemma 3 but 27B: a GGUF does not carry query_pre_attn_scalar and
-llama.cpp assumes exactly that (test_parity_hf.py checks that a different scale is caught). Weights are redrawn with a larger spread
-than HF's init (std 0.02) so that the logits are far from uniform and convention errors show.
+llama.cpp assumes exactly that (test_parity_hf.py checks that a different scale is caught).
+Weights are redrawn with a larger spread than HF's init (std 0.02) so that the logits are far
+from uniform and convention errors show.
 """
 
 from __future__ import annotations
