@@ -1,0 +1,229 @@
+"""The engine: requests in, one batched step at a time, outputs out.
+
+    engine = Engine(EngineConfig(model=...))
+    engine.add_request("a", engine.tokenizer.encode("Hello"), SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+`step()` is schedule -> prepare + forward (runner) -> sample -> postprocess. The engine is
+safe to drive from one thread calling `step()` while others call `add_request` / `abort`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.config import EngineConfig
+from freetoken.engine import postprocess, sampler
+from freetoken.engine.kv_cache import PagePool, make_prefix_cache
+from freetoken.engine.outputs import RequestOutput
+from freetoken.engine.request import Request, Status
+from freetoken.engine.runner import ModelRunner, kv_bytes_per_page
+from freetoken.engine.sampling_params import SamplingParams
+from freetoken.engine.scheduler import ScheduledBatch, Scheduler
+from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int  # pages held by requests (shared prefix pages counted once)
+    kv_pages_cached: int  # pages held by the prefix cache alone (evictable)
+    kv_pages_total: int
+    prefix_cache_hit_tokens: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    return torch.device(device), getattr(torch, dtype)
+
+
+class Engine:
+    """Continuous-batching engine over one model (see module docstring)."""
+
+    def __init__(self, config: EngineConfig, *, model=None, tokenizer: Tokenizer | None = None):
+        """Load the model and tokenizer of `config.model` (or use the given ones: tests)."""
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config)
+        if model is None:
+            model, tokenizer = self._load(config, tokenizer)
+        self.model = model
+        self.tokenizer = tokenizer
+        num_pages = config.num_pages or max(
+            1, (config.kv_cache_mb << 20) // kv_bytes_per_page(model, config.page_size, self.dtype)
+        )
+        self.max_model_len = min(
+            config.max_model_len or model.config.max_position, num_pages * config.page_size
+        )
+        self.pool = PagePool(num_pages, config.page_size)
+        self.scheduler = Scheduler(
+            self.pool,
+            make_prefix_cache(config.cache_type, self.pool),
+            config.max_running_requests,
+            config.max_prefill_tokens,
+        )
+        self.runner = ModelRunner(model, num_pages, config.page_size, self.dtype, self.device)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._lock = threading.RLock()
+        self._arrivals = itertools.count()
+        self._seeds = torch.Generator().manual_seed(config.seed)
+        self._counters = {"hit": 0, "prompt": 0, "gen": 0}
+
+    def _load(self, config: EngineConfig, tokenizer: Tokenizer | None):
+        from freetoken.assets import resolve_model
+        from freetoken.models import load_model
+
+        path = resolve_model(config.model)
+        model, _ = load_model(
+            path, dtype=self.dtype, device=self.device, show_progress=config.show_progress
+        )
+        if tokenizer is None:
+            tokenizer = Tokenizer.from_path(
+                path, tokenizer_dir=config.tokenizer, chat_template_file=config.chat_template
+            )
+        return model, tokenizer
+
+    # ---- requests in ----------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request. ValueError (message for the user) on bad input; nothing queued."""
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            req = self._make_request(request_id, list(prompt_token_ids), params)
+            self._requests[request_id] = req
+            self.scheduler.add(req)
+
+    def _make_request(self, rid: str, prompt: list[int], params: SamplingParams) -> Request:
+        max_tokens = postprocess.check_prompt(prompt, params, self.max_model_len,
+                                              self.tokenizer.vocab_size)
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seeds))
+        return Request(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            params=params,
+            max_tokens=max_tokens,
+            arrival=next(self._arrivals),
+            detok=IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
+            generator=torch.Generator().manual_seed(seed),
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV pages now; unknown or finished ids are ignored."""
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None or req.finished:
+                return
+            self.scheduler.finish(req)
+            req.finish_reason = "abort"
+            self._aborted.append(req)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """schedule -> forward -> sample -> postprocess; outputs of requests with news."""
+        with self._lock:
+            outputs = [postprocess.make_output(r) for r in self._aborted]
+            self._aborted.clear()
+            batch = self.scheduler.schedule()
+            if not batch:
+                return outputs
+            logits = self._forward(batch)
+            if logits is None:
+                return outputs + self._fail_batch(batch)
+            sampled = self._sample(batch, logits)
+            return outputs + self._postprocess(sampled)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        try:
+            logits = self.runner.forward(batch)
+        except Exception as e:  # noqa: BLE001 - reported to every request of the batch
+            self._batch_error = f"forward failed: {type(e).__name__}: {e}"
+            return None
+        self.scheduler.computed(batch)
+        return logits
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Request]:
+        """Sample for each request whose tokens are all computed; errors finish only it."""
+        sampling = [r for r in batch.requests if r.num_uncomputed == 0]
+        for row, req in zip(logits, sampling):
+            try:
+                self._sample_one(req, row)
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
+        return sampling
+
+    def _sample_one(self, req: Request, row: torch.Tensor) -> None:
+        p = req.params
+        sampler.check_late(p, self.tokenizer.vocab_size)
+        tok = sampler.sample_token(row, p, req.prompt_token_ids, req.output_token_ids,
+                                   req.generator)
+        req.output_token_ids.append(tok)
+        req.pending_token_ids.append(tok)
+        if p.logprobs is not None:
+            req.pending_logprobs.append(sampler.token_logprob(row, tok, p.logprobs))
+
+    def _postprocess(self, sampled: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for req in sampled:
+            if req.finish_reason is None:
+                postprocess.update_text_and_stop(req, self.tokenizer.eos_token_ids,
+                                                 self.max_model_len)
+            self._counters["gen"] += 1
+            if len(req.output_token_ids) == 1:
+                self._counters["prompt"] += len(req.prompt_token_ids)
+                self._counters["hit"] += req.num_cached_tokens
+            if req.finish_reason is not None:
+                self._finish(req)
+            outputs.append(postprocess.make_output(req))
+        return outputs
+
+    def _fail_batch(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        outputs = []
+        for req in batch.requests:
+            req.finish_reason, req.error = "error", self._batch_error
+            self._finish(req)
+            outputs.append(postprocess.make_output(req))
+        return outputs
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        self._requests.pop(req.request_id, None)
+
+    # ---- state ----------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler
+            held = {p for r in s.running for p in r.pages}
+            return EngineStats(
+                num_running=len(s.running),
+                num_waiting=len(s.waiting),
+                kv_pages_used=len(held),
+                kv_pages_cached=self.pool.num_pages - self.pool.num_free - len(held),
+                kv_pages_total=self.pool.num_pages,
+                prefix_cache_hit_tokens=self._counters["hit"],
+                prompt_tokens_total=self._counters["prompt"],
+                generation_tokens_total=self._counters["gen"],
+            )
+
+    def running_status(self, request_id: str) -> Status | None:
+        req = self._requests.get(request_id)
+        return None if req is None else req.status
