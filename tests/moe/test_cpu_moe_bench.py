@@ -1,0 +1,40 @@
+"""`ft bench cpu-moe` end to end on tiny buffers: every figure is a positive GB/s and the
+table prints each tier with its share of the measured ceiling."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from freetoken import cli
+from freetoken.moe import cpu_bench
+
+
+def test_bench_cpu_moe_small(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(cpu_bench, "dram_budget", lambda: 48 << 20)
+    monkeypatch.setattr(cpu_bench, "SHAPES", cpu_bench.SHAPES[:1])
+    monkeypatch.setattr(cpu_bench, "BATCHES", (1, 3))
+    monkeypatch.setattr(cpu_bench, "MIN_SECONDS", 0.02)
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "cpu-moe", "--threads", "2", "--isa", "avx2,scalar",
+                   "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["tiers"][-1] == "scalar" and len(res["tiers"]) == 2
+    assert res["ceiling_gbps"] > 0
+    for name, row in res["figures"].items():
+        for tier in res["tiers"]:
+            assert row[tier] > 0, (name, tier)
+    assert set(res["figures"]) >= {"2048x512 top8 bs=1", "2048x512 top8 bs=3"}
+    text = capsys.readouterr().out
+    assert "read ceiling" in text and "%)" in text
+
+
+def test_bench_needs_a_name(capsys):
+    assert cli.main(["bench"]) == 2
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
