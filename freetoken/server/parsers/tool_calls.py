@@ -84,6 +84,7 @@ class TaggedToolParser:
     def __init__(self, prefix: str = "") -> None:
         self.buf = prefix
         self.in_call = False
+        self._after_call = False
         self.prefix = prefix
 
     @staticmethod
@@ -99,6 +100,12 @@ class TaggedToolParser:
             # NOTE: search for the end after the start tag (gemma's end ``` begins its start).
             i = self.buf.find(tag, len(self.start) if self.in_call else 0)
             if not self.in_call:
+                if self._after_call:  # newlines between / after calls are not content
+                    self.buf = self.buf.lstrip("\n")
+                    if not self.buf:
+                        break
+                    self._after_call = False
+                    continue
                 n = i if i >= 0 else safe_prefix_len(self.buf, tag)
                 content.append(self.buf[:n])
                 self.buf = self.buf[n:]
@@ -109,9 +116,11 @@ class TaggedToolParser:
             if i < 0:
                 break
             block_end = i + len(tag)
+            n_calls = len(calls)
             content.append(self._close(self.buf[:block_end], calls))
-            self.buf = self.buf[block_end:].lstrip("\n") if calls else self.buf[block_end:]
+            self.buf = self.buf[block_end:]
             self.in_call = False
+            self._after_call = len(calls) > n_calls
         return "".join(content), calls
 
     def _close(self, block: str, calls: list[ParsedToolCall]) -> str:
