@@ -92,6 +92,24 @@ def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
     return util.convert_hf_to_gguf(src, outtype, src.with_name(f"{src.name}-{outtype}.gguf"))
 
 
+@torch.inference_mode()
+def greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens after `prompt` (prefill, then one token a step through the paged KV
+    cache), and the top-1 minus top-2 logit margin at each step."""
+    from freetoken.models.testing import SimpleKV, pages_needed
+
+    kv = SimpleKV(model.kv_cache_shapes(), pages_needed([len(prompt) + n], 16))
+    new, out, margins = list(prompt), [], []
+    for _ in range(n):
+        ctx = kv.context([(0, len(new))])
+        logits = model.compute_logits(model(torch.tensor(new), ctx)[ctx.logits_indices])[0]
+        top = torch.topk(logits, 2).values
+        margins.append(float(top[0] - top[1]))
+        new = [int(logits.argmax())]
+        out += new
+    return out, margins
+
+
 prompts = tm.prompts
 hf_logits = tm.hf_logits
 rel_err = tm.rel_err
@@ -110,8 +128,8 @@ def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
         if name.endswith((".scale", ".input_scale")):
             continue
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.ascontiguousarray(
-            gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)).reshape(shape)
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
+                                      dtype=np.float32)).reshape(shape)
         sname = name.removesuffix(".weight") + ".scale"
         if sname in raw:
             s = torch.from_numpy(np.array(raw[sname].data, dtype=np.float32)).reshape(-1)
