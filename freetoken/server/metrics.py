@@ -60,6 +60,10 @@ class Metrics:
         self._gauge("kv_cache_pages_used", "KV cache pages in use", "kv_pages_used")
         self._gauge("kv_cache_pages_total", "KV cache pages in all", "kv_pages_total")
         self._gauge(
+            "kv_cache_pages_cached", "Free pages still holding reusable prefixes",
+            "kv_pages_cached",
+        )
+        self._gauge(
             "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (total)",
             "prefix_cache_hit_tokens",
         )

@@ -8,6 +8,7 @@ so both protocols stream the same split of reasoning / content / tool calls.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 from dataclasses import dataclass, field
@@ -127,9 +128,8 @@ def sub_requests(rid: str, ids: list[int], params: SamplingParams) -> list[SubRe
     """n choices = n engine requests; seeded ones get seed + i so the choices differ."""
     subs = []
     for i in range(params.n):
-        p = SamplingParams(**{**params.__dict__, "n": 1})
-        if p.seed is not None:
-            p.seed += i
+        seed = None if params.seed is None else params.seed + i
+        p = dataclasses.replace(params, n=1, seed=seed)
         subs.append(SubRequest(f"{rid}-{i}", ids, p))
     return subs
 

@@ -73,7 +73,7 @@ class ServeProcess:
 class ThreadServer:
     """An ASGI app on uvicorn in a thread (for the fake-engine tests)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, wait: bool = True) -> None:
         import uvicorn
 
         self.port = free_port()
@@ -82,7 +82,8 @@ class ThreadServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        wait_healthy(self.base, 60)
+        if wait:
+            wait_healthy(self.base, 60)
 
     def stop(self) -> None:
         self.server.should_exit = True

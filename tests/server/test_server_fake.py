@@ -245,5 +245,54 @@ def test_overload_is_503(tok):
         s.stop()
 
 
+def test_health_is_503_while_loading_and_on_load_failure(tok):
+    import threading
+
+    gate = threading.Event()
+
+    def slow(_cfg):
+        gate.wait(30)
+        return FakeEngine(tok)
+
+    conf = ServerConfig(engine=EngineConfig(), served_model_name="fake")
+    app = make_app(conf, slow)
+    s = ThreadServer(app, wait=False)  # /health must say 503 first
+    try:
+        _wait_status(s.base, 503)
+        r = httpx.get(s.base + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        r = httpx.post(s.base + "/v1/chat/completions", json={"messages": say("x")})
+        assert r.status_code == 503
+        gate.set()
+        _wait_status(s.base, 200)
+    finally:
+        gate.set()
+        s.stop()
+
+    def broken(_cfg):
+        raise ValueError("no such tensor: blk.0.attn_q.weight")
+
+    s = ThreadServer(make_app(conf, broken), wait=False)
+    try:
+        body = _wait_status(s.base, 503, lambda b: b["status"] == "error")
+        assert "blk.0.attn_q.weight" in body["detail"]
+    finally:
+        s.stop()
+
+
+def _wait_status(base: str, status: int, ok=lambda body: True) -> dict:
+    import time
+
+    for _ in range(200):
+        try:
+            r = httpx.get(base + "/health")
+            if r.status_code == status and ok(r.json()):
+                return r.json()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"/health never answered {status}")
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
