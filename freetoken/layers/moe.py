@@ -94,15 +94,37 @@ class FusedExperts(nn.Module):
         return self.backend(x, self.bank, ids, w, self.spec.activation)
 
 
+class RouterBias(nn.Module):
+    """fp32 [E] correction bias added to the scores for expert choice only (minimax-m2's
+    `e_score_correction_bias`, llama.cpp's `exp_probs_b.bias`)."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.register_buffer("bias", torch.zeros(num_experts), persistent=False)
+
+    def load(self, t: torch.Tensor, name: str = "") -> None:
+        if tuple(t.shape) != tuple(self.bias.shape):
+            raise FormatError(f"shape {list(t.shape)}, expected {list(self.bias.shape)}",
+                              tensor=name)
+        self.bias = t.float().clone()
+
+    def finalize(self, dtype: torch.dtype, device) -> None:
+        self.bias = self.bias.to(device)
+
+
 class SparseMoE(nn.Module):
     """y = sum_k w_k expert_k(x) (+ shared expert), HF module names `gate`, `experts`,
-    `shared_expert`, `shared_expert_gate` (qwen naming; other archs subclass or rename)."""
+    `shared_expert`, `shared_expert_gate` (qwen naming), `e_score_correction_bias` with
+    sigmoid scoring (minimax-m2); `part_names` name the per-expert modules."""
 
-    def __init__(self, spec: MoESpec):
+    def __init__(self, spec: MoESpec, part_names: tuple[str, str, str] = (
+            "gate_proj", "up_proj", "down_proj")):
         super().__init__()
         self.spec = spec
         self.gate = Linear(spec.hidden_size, spec.num_experts)
-        self.experts = FusedExperts(spec)
+        self.experts = FusedExperts(spec, part_names)
+        if spec.scoring == "sigmoid":
+            self.e_score_correction_bias = RouterBias(spec.num_experts)
         if spec.shared_intermediate:
             self.shared_expert = GatedMLP(spec.hidden_size, spec.shared_intermediate,
                                           spec.activation)
@@ -113,7 +135,8 @@ class SparseMoE(nn.Module):
         return self.gate(x).float()  # in the activation dtype, as HF computes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, w = route(self.router_logits(x), self.spec)
+        bias = self.e_score_correction_bias.bias if self.spec.scoring == "sigmoid" else None
+        ids, w = route(self.router_logits(x), self.spec, bias)
         y = self.experts(x, ids, w)
         if self.spec.shared_intermediate:
             sh = self.shared_expert(x)

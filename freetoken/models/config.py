@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 from freetoken.formats.errors import FormatError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "minimax_m2")
 # HF model_type -> our arch name.
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-                  "gemma3": "gemma3", "qwen3_moe": "qwen3_moe"}
+                  "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
+                  "minimax_m2": "minimax_m2"}
 # GGUF general.architecture -> our arch name (where they differ).
-GGUF_ARCHS = {"qwen3moe": "qwen3_moe"}
+GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2"}
 # Gemma 3 hyperparameters that llama.cpp hard-codes (not in the GGUF): FACTS.md.
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
@@ -55,6 +56,7 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of each head
 
     def is_moe_layer(self, layer: int) -> bool:
         step = max(1, self.decoder_sparse_step)
@@ -128,8 +130,17 @@ def from_hf(config: dict, path=None) -> ModelConfig:
         bos_token_id=c.get("bos_token_id"), eos_token_ids=_ids(c.get("eos_token_id")),
         final_logit_softcap=c.get("final_logit_softcapping"),
         attn_logit_softcap=c.get("attn_logit_softcapping"),
+        rotary_dim=_hf_rotary_dim(c, head_dim),
         **_hf_moe(c),
     )
+
+
+def _hf_rotary_dim(c: dict, head_dim: int) -> int | None:
+    rp = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    if c.get("rotary_dim"):
+        return int(c["rotary_dim"])
+    f = rp.get("partial_rotary_factor", c.get("partial_rotary_factor"))
+    return int(head_dim * f) if f and f != 1 else None
 
 
 def _hf_moe(c: dict) -> dict:
@@ -205,6 +216,8 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"), eos_token_ids=_ids(eos),
         final_logit_softcap=md.get(f"{a}.final_logit_softcapping"),
         attn_logit_softcap=md.get(f"{a}.attn_logit_softcapping"),
+        rotary_dim=None if md.get(f"{a}.rope.dimension_count") in (None, head_dim) else int(
+            md[f"{a}.rope.dimension_count"]),
         **_gguf_moe(md, a),
     )
 

@@ -61,3 +61,16 @@ def _per_expert(ld, t, names: set[str]) -> None:
             return
         parts.append(stack_experts([ld._weight(k) for k in keys]))
     mod.load_parts(*parts)
+
+
+def load_router_bias(ld, t, names: set[str]) -> None:
+    """A RouterBias: HF `...e_score_correction_bias`, GGUF `blk.N.exp_probs_b.bias`."""
+    name = t.hf_prefix
+    if ld.src.kind == "gguf":
+        key = ld.src.key(name.removesuffix("_bias"))
+        name = f"{key}.bias" if key else name
+    if name not in names:
+        ld.missing.append(name)
+        return
+    t.module.load(ld.src.tensor(name), name=name)
+    ld.used.add(name)

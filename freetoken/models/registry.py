@@ -13,6 +13,7 @@ _CLASSES = {
     "qwen3": ("freetoken.models.qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("freetoken.models.gemma3", "Gemma3ForCausalLM"),
     "qwen3_moe": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "minimax_m2": ("freetoken.models.minimax_m2", "MiniMaxM2ForCausalLM"),
 }
 assert set(_CLASSES) == set(SUPPORTED)
 

@@ -75,7 +75,8 @@ class GGUFSource:
         import gguf
 
         self.gf, self.path = gf, gf.path
-        arch = gguf.MODEL_ARCH[gf.arch.upper().replace("-", "_")]
+        # By the name llama.cpp writes ("minimax-m2" is MODEL_ARCH.MINIMAXM2).
+        arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gf.arch]
         self.map = gguf.get_tensor_name_map(arch, num_layers)
         self._names = set(gf.tensors)
 

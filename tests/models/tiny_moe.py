@@ -3,8 +3,9 @@ llama.cpp's converter accepts them; their GGUF conversions and ModelOpt NVFP4 co
 
 qwen3_moe: 2 layers, 8 experts, top-2 (renormalised, as llama.cpp always does), hidden 128,
 4 query / 2 KV heads of 32, expert FFN 64 (every matrix input size is a multiple of 64 for the
-converter's NVFP4 repack). Weights are redrawn with a larger spread than HF's init so logits
-and routing are far from uniform and convention errors show.
+converter's NVFP4 repack). minimax_m2: the same sizes, sigmoid router with a random
+correction bias, partial rotary over 16 of 32 head dims. Weights are redrawn with a larger
+spread than HF's init so logits and routing are far from uniform and convention errors show.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def hf_config(arch: str, **over):
                   num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                   tie_word_embeddings=False, rope_theta=1e6)
         return tf.Qwen3MoeConfig(**{**kw, **over})
+    if arch == "minimax_m2":  # partial rotary: 16 of 32 dims
+        kw = dict(_COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8,
+                  num_experts_per_tok=2, rotary_dim=16, tie_word_embeddings=False)
+        return tf.MiniMaxM2Config(**{**kw, **over})
     raise ValueError(arch)
 
 
@@ -43,6 +48,9 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.08 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # shifts expert choice, not weights
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def make_hf_model(arch: str, seed: int = SEED, **over):
@@ -86,10 +94,34 @@ def nvfp4_dir(arch: str) -> Path:
     return out
 
 
+# The packaged converter's minimax module defines a MiniMax-M3 class whose arch its own vendored
+# gguf lacks (AttributeError: MINIMAXM3 at import), which breaks every minimax conversion.
+# Alias the missing enum member for the import only; the M2 path is untouched.
+_MINIMAX_PATCH = (
+    "import sys, runpy, gguf\n"
+    "gguf.MODEL_ARCH._member_map_.setdefault('MINIMAXM3', gguf.MODEL_ARCH.MINIMAXM2)\n"
+    "sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
 def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
     """llama.cpp's converter on `src` (default hf_dir(arch)), cached next to it."""
+    import os
+    import subprocess
+
     src = src or hf_dir(arch)
-    return util.convert_hf_to_gguf(src, outtype, src.with_name(f"{src.name}-{outtype}.gguf"))
+    out = src.with_name(f"{src.name}-{outtype}.gguf")
+    if arch != "minimax_m2" or out.exists():
+        return util.convert_hf_to_gguf(src, outtype, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    cmd = [str(util.CONVERTER.parent / "python"), "-c", _MINIMAX_PATCH, str(util.CONVERTER),
+           str(src), "--outfile", str(tmp), "--outtype", outtype]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert-hf-to-gguf failed on {src} ({outtype}):\n{r.stderr[-3000:]}")
+    tmp.rename(out)
+    return out
 
 
 @torch.inference_mode()
@@ -146,10 +178,12 @@ def gguf_reference(arch: str, path: Path):
 
     ref = make_hf_model(arch)
     w = _gguf_tensors(path)
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH[gguf.GGUFReader(str(path)).fields[
-        "general.architecture"].contents().upper().replace("-", "_")], ref.config.num_hidden_layers)
+    name = gguf.GGUFReader(str(path)).fields["general.architecture"].contents()
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[name]
+    tmap = gguf.get_tensor_name_map(arch_id, ref.config.num_hidden_layers)
 
     def get(hf: str) -> torch.Tensor:
+        hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
         name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
         name = name if name in w else f"{name}.weight"  # stacked experts: no suffix in HF
         if name not in w:
@@ -157,7 +191,7 @@ def gguf_reference(arch: str, path: Path):
         return w.pop(name)
 
     sd = {}
-    for k in ref.state_dict():
+    for k in ref.state_dict():  # parameters and persistent buffers (the correction bias)
         if k.endswith("experts.gate_up_proj"):
             p = k.removesuffix(".gate_up_proj")
             sd[k] = torch.cat([get(p + ".gate_proj"), get(p + ".up_proj")], dim=1)
