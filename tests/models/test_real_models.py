@@ -50,7 +50,8 @@ def compare(logits: torch.Tensor, p: dict) -> dict:
     return {"max_diff": float(diff.max()), "rel": float(diff.max()) / scale,
             "agree": int(agree.sum()), "steps": len(ids),
             "disagree_not_tie": [int(i) for i in torch.nonzero(~agree & ~near_tie)],
-            "near_ties": [int(i) for i in torch.nonzero(near_tie)]}
+            "near_ties": [int(i) for i in torch.nonzero(near_tie)],
+            "margin": margin, "agree_mask": agree}
 
 
 @pytest.mark.parametrize("name", assets.known_models())
