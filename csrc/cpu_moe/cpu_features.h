@@ -12,6 +12,7 @@ struct CpuFeatures {
   bool avx_vnni = false;    // AVX-VNNI (256-bit vpdpbusd)
   bool avx512 = false;      // AVX-512 F/BW/VL/DQ, OS saves zmm + opmask state
   bool avx512_vnni = false;
+  bool avx512_vbmi = false; // vpermb (byte permutes over 64 bytes)
 };
 
 CpuFeatures detect_cpu();

@@ -35,15 +35,31 @@ def tier_param(t: str):
     return pytest.param(t, marks=pytest.mark.skipif(t not in HOST_TIERS, reason=f"CPU lacks {t}"))
 
 
+# The avx512_vnni tier runs a vpermb dot where the CPU has AVX-512 VBMI; FREETOKEN_CPU_MOE_NO_VBMI
+# selects its vpshufb dot (the one CPUs without VBMI, e.g. Cascade Lake, run).
+TIER_VARIANTS = [tier_param(t) for t in TIERS] + [
+    pytest.param("avx512_vnni/no-vbmi", marks=pytest.mark.skipif(
+        "avx512_vnni" not in HOST_TIERS, reason="CPU lacks avx512_vnni"))]
+
+
+def executor(monkeypatch, variant: str, threads: int = 2) -> CpuMoeExecutor:
+    tier, _, opt = variant.partition("/")
+    if opt == "no-vbmi":
+        monkeypatch.setenv("FREETOKEN_CPU_MOE_NO_VBMI", "1")
+    ex = CpuMoeExecutor(threads, isa=tier)
+    assert ex.isa == tier
+    return ex
+
+
 @pytest.mark.parametrize("signed", [False, True], ids=["pos-scales", "signed-scales"])
 @pytest.mark.parametrize("K", KS)
-@pytest.mark.parametrize("tier", [tier_param(t) for t in TIERS])
-def test_nvfp4_dot_vs_float64(tier: str, K: int, signed: bool):
+@pytest.mark.parametrize("variant", TIER_VARIANTS)
+def test_nvfp4_dot_vs_float64(monkeypatch, variant: str, K: int, signed: bool):
+    tier = variant.partition("/")[0]
     gen = torch.Generator().manual_seed(K * 2 + signed)
     w = random_nvfp4(gen, 2, 37, K, signed=signed)
     x = torch.stack([special_activation(gen, K), torch.randn(K, generator=gen)])  # [2, K]
-    ex = CpuMoeExecutor(2, isa=tier)
-    assert ex.isa == tier
+    ex = executor(monkeypatch, variant)
     out = ex.expert_matmul(w, 1, x).numpy().astype(np.float64)  # [2, 37]
     W = nvfp4_f64(w)[1]  # [37, K]
     worst = 0.0
@@ -60,6 +76,24 @@ def test_nvfp4_dot_vs_float64(tier: str, K: int, signed: bool):
         worst = max(worst, err.max() / np.abs(ref).max())
     print(f"\n{tier} K={K} {'signed' if signed else 'positive'} scales: max rel err {worst:.2e}")
     assert worst < 1e-6
+
+
+@pytest.mark.parametrize("K", [752, 2048])
+@pytest.mark.parametrize("variant", TIER_VARIANTS)
+def test_nvfp4_dot_independent_of_token_count(monkeypatch, variant: str, K: int):
+    """A row's result must not depend on how many tokens (1..9) or rows (37: groups of 4 or 2
+    plus a tail) share the call: the kernels group rows and tokens by count, but each (row,
+    token) keeps its own arithmetic, so results are bit-identical to the one-token call."""
+    gen = torch.Generator().manual_seed(K + 5)
+    w = random_nvfp4(gen, 2, 37, K, signed=True)
+    x = torch.randn(9, K, generator=gen)
+    ex = executor(monkeypatch, variant)
+    alone = torch.cat([ex.expert_matmul(w, 0, x[t : t + 1]) for t in range(9)])
+    for T in (2, 3, 4, 5, 9):
+        assert torch.equal(ex.expert_matmul(w, 0, x[:T]), alone[:T]), f"{variant} T={T}"
+    if variant == "avx512_vnni":  # the vpermb and vpshufb dots agree bit for bit
+        assert torch.equal(executor(monkeypatch, variant + "/no-vbmi").expert_matmul(w, 0, x),
+                           alone)
 
 
 @pytest.mark.parametrize("tier", [tier_param("avx512_vnni"), tier_param("avx2_vnni")])
