@@ -7,7 +7,7 @@ setup:
 	bash scripts/setup.sh
 
 run: setup
-	$(VENV)/bin/ft inspect
+	$(VENV)/bin/ft generate "$(PROMPT)"
 
 test: setup
 	$(VENV)/bin/ruff check freetoken tests benchmarks scripts

@@ -1,0 +1,91 @@
+"""`ft generate "prompt"`: one completion, streamed to stdout as tokens come.
+
+With a chat model the prompt is sent as a user message through the model's chat template
+(`--no-chat` sends it as raw text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TextIO
+
+from freetoken.engine.sampling_params import SamplingParams
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, help="system message (chat mode)")
+
+
+def add_parser(sub) -> None:
+    from freetoken.cli import add_engine_args
+
+    p = sub.add_parser("generate", help="generate from a prompt, streaming the tokens")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the chat template (default: when the model has one)")
+    add_sampling_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens or args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=list(args.stop),
+    )
+
+
+def stream(engine, prompt_ids: list[int], params: SamplingParams, out: TextIO) -> tuple[str, int]:
+    """Run one request, writing text as it comes; returns (text, number of tokens)."""
+    rid = f"cli-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt_ids, params)
+    text, n = "", 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            out.write(o.new_text)
+            out.flush()
+            text, n = o.text, len(o.output_token_ids)
+            if o.finish_reason == "error":
+                raise ValueError(f"generation failed: {o.error}")
+    return text, n
+
+
+def chat_messages(system: str | None, history: list[dict]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + history
+
+
+def run(args: argparse.Namespace) -> int:
+    from freetoken.cli import engine_config_from_args
+    from freetoken.engine.engine import Engine
+
+    engine = Engine(engine_config_from_args(args))
+    tok = engine.tokenizer
+    use_chat = tok.has_chat_template if args.chat is None else args.chat
+    if use_chat:
+        msgs = chat_messages(args.system, [{"role": "user", "content": args.prompt}])
+        ids = tok.encode_chat(msgs)
+    else:
+        ids = tok.encode(args.prompt)
+    t0 = time.perf_counter()
+    _, n = stream(engine, ids, sampling_params(args), sys.stdout)
+    dt = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    print(f"[{len(ids)} prompt tokens, {n} generated in {dt:.1f} s, {n / dt:.1f} tokens/s]",
+          file=sys.stderr)
+    return 0
