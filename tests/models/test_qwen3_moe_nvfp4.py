@@ -11,6 +11,8 @@ converter turns it into an NVFP4 GGUF whose experts carry `ffn_*_exps.scale` [E]
   the weights, which differs by float32 rounding only.
 - With the scales dropped (the banks set to ones) the same comparison fails by O(1).
 - Greedy decoding gives identical tokens on both paths for 64 tokens.
+- An NVFP4 `token_embd` with its `.scale` (which the reference system refuses) loads and
+  matches on both paths.
 - Refused at start-up: --dtype float16 with scaled NVFP4 weights; per-expert scales on a
   merged `ffn_gate_up_exps` tensor.
 """
@@ -84,6 +86,20 @@ def test_greedy_hf_and_gguf_identical(paths):
     print(f"{ARCH} nvfp4 greedy: min top-2 margin {min(margins):.3g}")
     assert len(hf_tokens) == N_TOKENS
     assert hf_tokens == gguf_tokens
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_nvfp4_token_embd_with_scale(kind):
+    hf = tmoe.nvfp4_dir(ARCH, embed=True)
+    path = {"hf": hf, "gguf": tmoe.gguf_path(ARCH, "f32", src=hf)}[kind]
+    model, _ = load_model(path, show_progress=False)
+    emb = model.model.embed_tokens.weight
+    assert emb.fmt == "nvfp4" and emb.scale2 is not None and float(emb.scale2) < 1e-3
+    seqs = tmoe.prompts()
+    ref = tmoe.hf_logits(tmoe.gguf_reference(ARCH, tmoe.gguf_path(ARCH, "f32", src=hf)), seqs)
+    err = tmoe.rel_err(prefill_logits(model, seqs), ref)
+    print(f"{ARCH} nvfp4 with NVFP4 token_embd, {kind}: {err:.2e}")
+    assert err <= TOL
 
 
 @pytest.mark.parametrize("kind", ["hf", "gguf"])

@@ -79,17 +79,19 @@ def hf_dir(arch: str) -> Path:
     return out if (out / "config.json").exists() else _save(make_hf_model(arch), out)
 
 
-def nvfp4_dir(arch: str) -> Path:
+def nvfp4_dir(arch: str, embed: bool = False) -> Path:
     """A ModelOpt NVFP4 copy of hf_dir(arch) by our quantizer: every matrix and every expert
-    gets its own weight_scale_2 = amax / (6 * 448), far from 1, so a dropped scale shows."""
-    from freetoken.formats.modelopt_quantize import quantize_checkpoint
+    gets its own weight_scale_2 = amax / (6 * 448), far from 1, so a dropped scale shows.
+    embed: quantize the token embedding too (ModelOpt leaves it float by default)."""
+    from freetoken.formats.modelopt_quantize import DEFAULT_EXCLUDE, quantize_checkpoint
 
-    out = util.test_cache() / f"tiny-moe-{arch}-v1-nvfp4"
+    out = util.test_cache() / f"tiny-moe-{arch}-v1-nvfp4{'-embd' if embed else ''}"
     if (out / "config.json").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    quantize_checkpoint(hf_dir(arch), tmp, scale2="tensor")
+    exclude = tuple(p for p in DEFAULT_EXCLUDE if not (embed and p == "*embed_tokens"))
+    quantize_checkpoint(hf_dir(arch), tmp, scale2="tensor", exclude=exclude)
     tmp.rename(out)
     return out
 
