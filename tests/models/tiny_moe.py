@@ -96,6 +96,52 @@ def nvfp4_dir(arch: str, embed: bool = False) -> Path:
     return out
 
 
+_E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def _modelopt_dequant(codes: torch.Tensor, scales: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """ModelOpt NVFP4 from its definition: byte i holds k = 2i (low nibble) and 2i + 1 (high),
+    E2M1 values times the E4M3 block scale (torch's own float8 cast) times weight_scale_2."""
+    c = torch.stack([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1).long()
+    return _E2M1[c] * scales.float().repeat_interleave(16, dim=-1) * s2.float()
+
+
+def nvfp4_reference(arch: str, hf: Path):
+    """transformers' model of `arch` holding the weights of the ModelOpt directory `hf`,
+    dequantized from the format's definition (not our codecs), scales folded in."""
+    from safetensors.torch import load_file
+
+    raw: dict[str, torch.Tensor] = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        raw.update(load_file(f))
+    w = {}
+    for name, t in raw.items():
+        base = name.removesuffix(".weight")
+        if name.endswith(".weight") and base + ".weight_scale" in raw:
+            t = _modelopt_dequant(t, raw[base + ".weight_scale"], raw[base + ".weight_scale_2"])
+        elif not name.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            t = t.float()
+        else:
+            continue
+        w[name.replace(".block_sparse_moe.", ".mlp.")] = t
+    ref = make_hf_model(arch)
+    names = {"minimax_m2": ("w1", "w3", "w2")}.get(arch, ("gate_proj", "up_proj", "down_proj"))
+    n = getattr(ref.config, "num_local_experts", None) or ref.config.num_experts
+    sd = {}
+    for k in ref.state_dict():
+        p = k.rsplit(".", 1)[0]
+        if k.endswith("experts.gate_up_proj"):
+            gu = [[w.pop(f"{p}.{e}.{names[i]}.weight") for i in (0, 1)] for e in range(n)]
+            sd[k] = torch.stack([torch.cat(pair) for pair in gu])  # [E, 2I, H], gate first
+        elif k.endswith("experts.down_proj"):
+            sd[k] = torch.stack([w.pop(f"{p}.{e}.{names[2]}.weight") for e in range(n)])
+        else:
+            sd[k] = w.pop(k)
+    assert not w, f"unused tensors {sorted(w)[:5]}"
+    ref.load_state_dict(sd)
+    return ref.eval()
+
+
 # The packaged converter's minimax module defines a MiniMax-M3 class whose arch its own vendored
 # gguf lacks (AttributeError: MINIMAXM3 at import), which breaks every minimax conversion.
 # Alias the missing enum member for the import only; the M2 path is untouched.
