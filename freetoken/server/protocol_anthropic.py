@@ -113,15 +113,40 @@ class _MessagesBase(BaseModel):
         return self.system
 
 
+class OutputConfig(BaseModel):
+    model_config = _LOOSE
+    effort: str | None = None
+    format: dict[str, Any] | None = None
+
+
 class MessagesRequest(_MessagesBase):
     max_tokens: int
     stop_sequences: list[str] | None = None
+    # Older clients send these; newer ones only through extra_body. Both are honoured.
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+    # Accepted and without effect here (prompt caching is automatic: the radix prefix cache).
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+    container: Any = None
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    output_config: OutputConfig | None = None
+    output_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_output(self) -> MessagesRequest:
+        fmt = self.output_format or (self.output_config and self.output_config.format)
+        if fmt:
+            raise ValueError("structured output (output_config.format / output_format) is not "
+                             "supported by this server")
+        return self
 
 
 class CountTokensRequest(_MessagesBase):

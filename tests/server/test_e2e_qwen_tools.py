@@ -85,13 +85,14 @@ def test_anthropic_tool_use(server):
                                  timeout=900)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
-    m = client.messages.create(model=MODEL, max_tokens=48, temperature=0, tools=tools,
+    greedy = {"temperature": 0}  # anthropic>=2 clients only send it through extra_body
+    m = client.messages.create(model=MODEL, max_tokens=48, extra_body=greedy, tools=tools,
                                messages=ASK)
     assert m.stop_reason == "tool_use"
     use = next(b for b in m.content if b.type == "tool_use")
     assert use.name == "get_weather" and "paris" in use.input["city"].lower()
     m2 = client.messages.create(
-        model=MODEL, max_tokens=24, temperature=0, tools=tools,
+        model=MODEL, max_tokens=24, extra_body=greedy, tools=tools,
         messages=ASK + [
             {"role": "assistant", "content": [b.model_dump() for b in m.content]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,

@@ -24,6 +24,7 @@ from helpers import ServeProcess, metric
 KEY = "test-key-123"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 8}
+GREEDY_BODY = {"temperature": 0}  # anthropic>=2 dropped the argument
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +76,10 @@ def test_completions_plain_and_streamed(oai, hf_tok):
 
 def test_anthropic_messages(server):
     client = anthropic.Anthropic(base_url=server.base, api_key=KEY, max_retries=0, timeout=600)
-    m = client.messages.create(model="smollm2-135m-instruct", max_tokens=8, temperature=0,
+    m = client.messages.create(model="smollm2-135m-instruct", max_tokens=8, extra_body=GREEDY_BODY,
                                system="Answer in one word.", messages=MSGS)
     assert m.content[0].type == "text" and m.usage.output_tokens >= 1
-    with client.messages.stream(model="smollm2-135m-instruct", max_tokens=8, temperature=0,
+    with client.messages.stream(model="smollm2-135m-instruct", max_tokens=8, extra_body=GREEDY_BODY,
                                 system="Answer in one word.", messages=MSGS) as s:
         streamed = "".join(s.text_stream)
         final = s.get_final_message()

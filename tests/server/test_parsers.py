@@ -106,8 +106,23 @@ def test_hermes_unclosed_block_at_end_still_parses():
 def test_forced_prefix_completes_a_call():
     prefix = HermesToolParser.forced_prefix("get_weather")
     content, calls, _ = _run_tools(HermesToolParser(prefix=prefix),
-                                   ['{"city": "Oslo"}}', "\n</tool_call>"])
+                                   ['"city": "Oslo"}}', "\n</tool_call>"])
     assert content == "" and json.loads(calls[0].arguments) == {"city": "Oslo"}
+
+
+def test_hermes_bare_json_call():
+    # What Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, dequantized in transformers) answers greedily
+    # to "What is the weather like in Paris right now?" with a get_weather tool: no tags.
+    text = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    rng = random.Random(3)
+    for trial in range(20):
+        pieces = list(text) if trial == 0 else _pieces(text, rng)
+        content, calls, _ = _run_tools(HermesToolParser(), pieces)
+        assert content == "" and calls[0].name == "get_weather"
+    content, calls, _ = _run_tools(HermesToolParser(), list('{"answer": 42}'))
+    assert content == '{"answer": 42}' and calls == []
+    content, calls, _ = _run_tools(HermesToolParser(), list("  \n"))
+    assert content == "  \n" and calls == []
 
 
 def test_llama3_json():

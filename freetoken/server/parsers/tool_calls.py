@@ -144,13 +144,55 @@ class TaggedToolParser:
 
 
 class HermesToolParser(TaggedToolParser):
+    """`<tool_call>` blocks; also a bare `{"name": ..., "arguments": ...}` answer.
+
+    NOTE: small Qwen2.5 models often answer with the bare JSON object, no tags (seen with
+    Qwen2.5-Coder-0.5B-Instruct under greedy decoding), so an output whose first character is
+    `{` is held back to the end and parsed whole; if it is not a call, it is the content.
+    """
+
     start, end = "<tool_call>", "</tool_call>"
+
+    def __init__(self, prefix: str = "") -> None:
+        super().__init__(prefix)
+        self.bare: str | None = None if not prefix else ""  # None: undecided; else the mode
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, list[ParsedToolCall]]:
+        if self.bare is None:
+            self.held += text
+            head = self.held.lstrip()
+            if not head:
+                return "", []
+            self.bare = "json" if head.startswith("{") else ""
+            text, self.held = self.held, ""
+            if self.bare:
+                self.held = text
+                return "", []
+        if self.bare == "json":
+            self.held += text
+            return "", []
+        return super().feed(text)
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        if self.bare == "json":
+            calls = _bare_calls(self.held.strip(), "arguments")
+            if calls:
+                return "", calls
+            self.bare = ""
+            content, calls = super().feed(self.held)
+            rest, more = super().finish()
+            return content + rest, calls + more
+        if self.bare is None:  # only whitespace came
+            return self.held, []
+        return super().finish()
 
     @staticmethod
     def forced_prefix(name: str | None) -> str:
         if name is None:
             return '<tool_call>\n{"name": "'
-        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
+        # The open brace keeps small models from writing a non-object as the arguments.
+        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": {'
 
 
 class GemmaToolParser(TaggedToolParser):
@@ -192,23 +234,28 @@ class Llama3JsonToolParser:
         rest, self.buf = self.buf, ""
         if self.mode == "text" or not rest.strip():
             return rest, []
-        body = rest.strip().removeprefix(self.python_tag).strip()
-        calls = []
-        for part in _split_json_objects(body):
-            try:
-                call = _call_from_json(json.loads(part), "parameters")
-            except json.JSONDecodeError:
-                call = None
-            if call is None:
-                return rest, []
-            calls.append(call)
+        calls = _bare_calls(rest.strip().removeprefix(self.python_tag).strip(), "parameters")
         return ("", calls) if calls else (rest, [])
 
     @staticmethod
     def forced_prefix(name: str | None) -> str:
         if name is None:
             return '{"name": "'
-        return '{"name": ' + json.dumps(name) + ', "parameters": '
+        return '{"name": ' + json.dumps(name) + ', "parameters": {'
+
+
+def _bare_calls(body: str, args_key: str) -> list[ParsedToolCall] | None:
+    """`{call}; {call}` -> the calls, or None if any part is not a call."""
+    calls = []
+    for part in _split_json_objects(body):
+        try:
+            call = _call_from_json(json.loads(part), args_key)
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
 
 
 def _split_json_objects(text: str) -> list[str]:
