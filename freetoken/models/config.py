@@ -163,6 +163,9 @@ def _gguf_moe(md: dict, a: str) -> dict:
     n = int(md.get(f"{a}.expert_count") or 0)
     if not n:
         return {}
+    for k in ("expert_used_count", "expert_feed_forward_length"):
+        if f"{a}.{k}" not in md:
+            raise FormatError(f"missing metadata ({n} experts need it)", key=f"{a}.{k}")
     return dict(
         num_experts=n, num_experts_per_tok=int(md[f"{a}.expert_used_count"]),
         moe_intermediate_size=int(md[f"{a}.expert_feed_forward_length"]),
