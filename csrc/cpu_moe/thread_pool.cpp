@@ -1,13 +1,38 @@
 #include "thread_pool.h"
 
 #include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
+
+#include <cstdlib>
 
 namespace ft {
 
 constexpr int kSpinIters = 20000;  // ~50-100 us of pause before sleeping
 
+// Worker t runs on the t-th CPU the process may use, so the OS does not migrate it mid-layer
+// (its L1/L2 and the prefetchers' streams stay put). The caller (tid 0) is left alone. Skipped
+// when there are fewer allowed CPUs than threads, or with FREETOKEN_CPU_MOE_PIN=0.
+static void pin_workers(std::vector<std::thread>& threads) {
+  const char* env = std::getenv("FREETOKEN_CPU_MOE_PIN");
+  if (env && env[0] == '0') return;
+  cpu_set_t allowed;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
+  std::vector<int> cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
+  if (cpus.size() < threads.size() + 1) return;
+  for (size_t t = 0; t < threads.size(); ++t) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpus[t + 1], &one);
+    pthread_setaffinity_np(threads[t].native_handle(), sizeof(one), &one);  // best effort
+  }
+}
+
 ThreadPool::ThreadPool(int num_threads) : n_(num_threads < 1 ? 1 : num_threads) {
   for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
+  pin_workers(threads_);
 }
 
 ThreadPool::~ThreadPool() {
