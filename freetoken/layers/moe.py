@@ -94,22 +94,37 @@ class FusedExperts(nn.Module):
         return self.backend(x, self.bank, ids, w, self.spec.activation)
 
 
-class RouterBias(nn.Module):
+class Vector(nn.Module):
+    """A small fp32 parameter vector loaded by its module path (HF tensor name = path):
+    gemma4's router `scale` / `per_expert_scale` and `layer_scalar`."""
+
+    def __init__(self, n: int, init: float = 1.0):
+        super().__init__()
+        self.register_buffer("value", torch.full((n,), init), persistent=False)
+
+    def gguf_name(self, src, hf_name: str) -> str | None:
+        return None  # no GGUF counterpart unless a subclass says
+
+    def load(self, t: torch.Tensor, name: str = "") -> None:
+        if t.numel() != self.value.numel():
+            raise FormatError(f"shape {list(t.shape)}, expected {list(self.value.shape)}",
+                              tensor=name)
+        self.value = t.float().reshape(self.value.shape).clone()
+
+    def finalize(self, dtype: torch.dtype, device) -> None:
+        self.value = self.value.to(device)
+
+
+class RouterBias(Vector):
     """fp32 [E] correction bias added to the scores for expert choice only (minimax-m2's
     `e_score_correction_bias`, llama.cpp's `exp_probs_b.bias`)."""
 
     def __init__(self, num_experts: int):
-        super().__init__()
-        self.register_buffer("bias", torch.zeros(num_experts), persistent=False)
+        super().__init__(num_experts, 0.0)
 
-    def load(self, t: torch.Tensor, name: str = "") -> None:
-        if tuple(t.shape) != tuple(self.bias.shape):
-            raise FormatError(f"shape {list(t.shape)}, expected {list(self.bias.shape)}",
-                              tensor=name)
-        self.bias = t.float().clone()
-
-    def finalize(self, dtype: torch.dtype, device) -> None:
-        self.bias = self.bias.to(device)
+    def gguf_name(self, src, hf_name: str) -> str | None:
+        key = src.key(hf_name.removesuffix("_bias"))
+        return f"{key}.bias" if key else None
 
 
 class SparseMoE(nn.Module):
@@ -135,7 +150,7 @@ class SparseMoE(nn.Module):
         return self.gate(x).float()  # in the activation dtype, as HF computes it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.e_score_correction_bias.bias if self.spec.scoring == "sigmoid" else None
+        bias = self.e_score_correction_bias.value if self.spec.scoring == "sigmoid" else None
         ids, w = route(self.router_logits(x), self.spec, bias)
         y = self.experts(x, ids, w)
         if self.spec.shared_intermediate:

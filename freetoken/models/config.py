@@ -4,15 +4,15 @@ from GGUF metadata. Unknown architectures fail here with the supported list."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from freetoken.formats.errors import FormatError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "minimax_m2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "minimax_m2", "gemma4")
 # HF model_type -> our arch name.
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                   "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
-                  "minimax_m2": "minimax_m2"}
+                  "minimax_m2": "minimax_m2", "gemma4_text": "gemma4"}
 # GGUF general.architecture -> our arch name (where they differ).
 GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2"}
 # Gemma 3 hyperparameters that llama.cpp hard-codes (not in the GGUF): FACTS.md.
@@ -57,6 +57,11 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim dims of each head
+    # gemma4: full-attention layers have their own head size and "proportional" rotary (only
+    # the first rope_partial_full of the frequencies turn); k_eq_v reuses k as v there.
+    global_head_dim: int | None = None
+    rope_partial_full: float | None = None
+    attention_k_eq_v: bool = False
 
     def is_moe_layer(self, layer: int) -> bool:
         step = max(1, self.decoder_sparse_step)
@@ -112,8 +117,11 @@ def from_hf(config: dict, path=None) -> ModelConfig:
     theta, scaling, local = _hf_rope(c)
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
         scaling = None
+    partial = None
+    if arch == "gemma4" and scaling is not None:  # proportional: our model file's business
+        partial, scaling = float(scaling.get("partial_rotary_factor", 1.0)), None
     gemma = arch == "gemma3"
-    return ModelConfig(
+    cfg = ModelConfig(
         arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
         intermediate_size=int(c["intermediate_size"]), num_layers=n, num_heads=heads,
         num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim,
@@ -133,6 +141,27 @@ def from_hf(config: dict, path=None) -> ModelConfig:
         rotary_dim=_hf_rotary_dim(c, head_dim),
         **_hf_moe(c),
     )
+    return _gemma4(c, cfg, partial) if arch == "gemma4" else cfg
+
+
+def _gemma4(c: dict, cfg: ModelConfig, partial: float | None) -> ModelConfig:
+    """Gemma 4 text: query scale 1, sliding layers, per-layer-type heads and rotary."""
+    n = cfg.num_layers
+    per_layer = c.get("per_layer_config") or {}
+    full = [i for i, t in enumerate(c.get("layer_types") or []) if t == "full_attention"]
+    gd = c.get("global_head_dim") or (per_layer.get(str(full[0]), {}).get("head_dim")
+                                      if full else None)
+    moe = bool(c.get("enable_moe_block"))
+    return replace(
+        cfg, attn_scale=1.0, sliding_window=c.get("sliding_window"),
+        layer_types=_gemma_layer_types(c, n), rope_local_theta=cfg.rope_local_theta or 1e4,
+        global_head_dim=int(gd or cfg.head_dim), rope_partial_full=partial,
+        attention_k_eq_v=bool(c.get("attention_k_eq_v")),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+        num_experts=int(c.get("num_experts") or 0) if moe else 0,
+        num_experts_per_tok=int(c.get("top_k_experts") or 0) if moe else 0,
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or 0) if moe else 0,
+    )
 
 
 def _hf_rotary_dim(c: dict, head_dim: int) -> int | None:
@@ -149,7 +178,8 @@ def _hf_moe(c: dict) -> dict:
     if not n:
         return {}
     return dict(
-        num_experts=n, num_experts_per_tok=int(c["num_experts_per_tok"]),
+        num_experts=n, num_experts_per_tok=int(c.get("num_experts_per_tok")
+                                               or c.get("top_k_experts") or 0),
         moe_intermediate_size=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
         decoder_sparse_step=int(c.get("decoder_sparse_step") or 1),
@@ -227,4 +257,4 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
 
 def embed_scale(cfg: ModelConfig) -> float:
     """Gemma multiplies embeddings by sqrt(hidden); the others by 1."""
-    return math.sqrt(cfg.hidden_size) if cfg.arch == "gemma3" else 1.0
+    return math.sqrt(cfg.hidden_size) if cfg.arch in ("gemma3", "gemma4") else 1.0

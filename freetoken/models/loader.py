@@ -19,7 +19,7 @@ from freetoken.formats.errors import FormatError
 from freetoken.formats.qweight import QuantWeight
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear, take_rows
-from freetoken.layers.moe import FusedExperts, RouterBias
+from freetoken.layers.moe import FusedExperts, Vector
 from freetoken.layers.norm import RMSNorm
 
 # Architectures whose GGUF q/k rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -41,7 +41,7 @@ def targets(model: nn.Module) -> list[Target]:
         if isinstance(mod, Linear):
             parent = path.rsplit(".", 1)[0]
             out += [Target(f"{parent}.{p}" if p else path, mod, p) for p in mod.parts]
-        elif isinstance(mod, (RMSNorm, Embedding, FusedExperts, RouterBias)):
+        elif isinstance(mod, (RMSNorm, Embedding, FusedExperts, Vector)):
             out.append(Target(path, mod))
     return out
 
@@ -122,10 +122,10 @@ class Loader:
             from freetoken.models.loader_moe import load_experts
 
             return load_experts(self, t, names)
-        if isinstance(t.module, RouterBias):
-            from freetoken.models.loader_moe import load_router_bias
+        if isinstance(t.module, Vector):
+            from freetoken.models.loader_moe import load_vector
 
-            return load_router_bias(self, t, names)
+            return load_vector(self, t, names)
         key = self._file_key(t.hf_prefix)
         if key + ".weight" not in names:
             self.missing.append(key + ".weight")

@@ -63,12 +63,11 @@ def _per_expert(ld, t, names: set[str]) -> None:
     mod.load_parts(*parts)
 
 
-def load_router_bias(ld, t, names: set[str]) -> None:
-    """A RouterBias: HF `...e_score_correction_bias`, GGUF `blk.N.exp_probs_b.bias`."""
+def load_vector(ld, t, names: set[str]) -> None:
+    """A layers.moe.Vector: HF names it by its module path, GGUF as the module says."""
     name = t.hf_prefix
     if ld.src.kind == "gguf":
-        key = ld.src.key(name.removesuffix("_bias"))
-        name = f"{key}.bias" if key else name
+        name = t.module.gguf_name(ld.src, name) or name
     if name not in names:
         ld.missing.append(name)
         return

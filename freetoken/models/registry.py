@@ -14,6 +14,7 @@ _CLASSES = {
     "gemma3": ("freetoken.models.gemma3", "Gemma3ForCausalLM"),
     "qwen3_moe": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "minimax_m2": ("freetoken.models.minimax_m2", "MiniMaxM2ForCausalLM"),
+    "gemma4": ("freetoken.models.gemma4", "Gemma4ForCausalLM"),
 }
 assert set(_CLASSES) == set(SUPPORTED)
 

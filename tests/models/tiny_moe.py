@@ -4,7 +4,8 @@ llama.cpp's converter accepts them; their GGUF conversions and ModelOpt NVFP4 co
 qwen3_moe: 2 layers, 8 experts, top-2 (renormalised, as llama.cpp always does), hidden 128,
 4 query / 2 KV heads of 32, expert FFN 64 (every matrix input size is a multiple of 64 for the
 converter's NVFP4 repack). minimax_m2: the same sizes, sigmoid router with a random
-correction bias, partial rotary over 16 of 32 head dims. Weights are redrawn with a larger
+correction bias, partial rotary over 16 of 32 head dims. gemma4 (MoE) and gemma4_dense: a
+sliding layer (window 8, head 32) and a full layer (head 64, proportional rotary). Weights are redrawn with a larger
 spread than HF's init so logits and routing are far from uniform and convention errors show.
 """
 
@@ -35,6 +36,14 @@ def hf_config(arch: str, **over):
         kw = dict(_COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8,
                   num_experts_per_tok=2, rotary_dim=16, tie_word_embeddings=False)
         return tf.MiniMaxM2Config(**{**kw, **over})
+    if arch in ("gemma4", "gemma4_dense"):  # one sliding (window 8, head 32) + one full layer
+        kw = dict(_COMMON, num_hidden_layers=2, intermediate_size=128, global_head_dim=64,
+                  sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                  hidden_size_per_layer_input=0, final_logit_softcapping=30.0, pad_token_id=0)
+        if arch == "gemma4":
+            kw.update(enable_moe_block=True, num_experts=8, top_k_experts=2,
+                      moe_intermediate_size=64)
+        return tf.Gemma4TextConfig(**{**kw, **over})
     raise ValueError(arch)
 
 
@@ -42,7 +51,7 @@ def _randomize(model, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("scale"):  # gemma4 router scales too
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             elif "gate.weight" in name or "router" in name:  # routers: clear top-k margins
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
@@ -51,6 +60,8 @@ def _randomize(model, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # shifts expert choice, not weights
                 b.copy_(0.3 * torch.randn(b.shape, generator=g))
+            if name.endswith("layer_scalar"):  # gemma4: a loader that ignored it would show
+                b.fill_(0.7)
 
 
 def make_hf_model(arch: str, seed: int = SEED, **over):
