@@ -1,0 +1,38 @@
+"""`ft generate` and `ft chat` through the CLI entry point, on the packaged default model."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import helpers  # noqa: F401 - one torch thread, as the other engine tests
+import pytest
+
+from freetoken import cli
+
+
+def test_generate_streams_the_chat_answer(capsys):
+    rc = cli.main(["generate", "Say hi.", "--max-tokens", "3", "--no-show-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out.strip() and "generated in" in err
+
+
+def test_generate_plain_and_bad_flags(capsys):
+    rc = cli.main(["generate", "1, 2, 3,", "--no-chat", "--max-tokens", "2",
+                   "--temperature", "0", "--no-show-progress"])
+    out, _ = capsys.readouterr()
+    assert rc == 0 and out.startswith(" 4")
+    rc = cli.main(["generate", "x", "--max-tokens", "100000", "--no-show-progress"])
+    assert rc == 1 and "max_tokens=100000" in capsys.readouterr().err
+
+
+def test_chat_keeps_history_and_exits(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n/reset\nHi again\n/exit\n"))
+    rc = cli.main(["chat", "--max-tokens", "2", "--no-show-progress"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "/exit quits" in err
+    assert out.count("> ") >= 4  # one prompt per line read
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
