@@ -5,8 +5,9 @@ qwen3_moe: 2 layers, 8 experts, top-2 (renormalised, as llama.cpp always does), 
 4 query / 2 KV heads of 32, expert FFN 64 (every matrix input size is a multiple of 64 for the
 converter's NVFP4 repack). minimax_m2: the same sizes, sigmoid router with a random
 correction bias, partial rotary over 16 of 32 head dims. gemma4 (MoE) and gemma4_dense: a
-sliding layer (window 8, head 32) and a full layer (head 64, proportional rotary). Weights are redrawn with a larger
-spread than HF's init so logits and routing are far from uniform and convention errors show.
+sliding layer (window 8, head 32) and a full layer (head 64, proportional rotary). Weights are
+redrawn with a larger spread than HF's init so logits and routing are far from uniform and
+convention errors show.
 """
 
 from __future__ import annotations
