@@ -51,22 +51,71 @@ void Executor::prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, 
   pool_.run(T, [&](int64_t t) { prep(x + t * K, K, out + t * stride); });
 }
 
-// out[p, n] for every pair p of every active expert and every row n of its bank.
-// Items are (expert, block of rows), expert-major so each thread streams consecutive rows.
-void Executor::matmul_experts(const Bank& w, const std::vector<int64_t>& experts,
-                              const std::vector<int64_t>& p0, const uint8_t* const* acts,
-                              float* out) {
-  const int64_t nact = static_cast<int64_t>(experts.size());
-  const int64_t want = std::max<int64_t>(1, w.N * nact / (pool_.size() * 8));
-  const int64_t rb = std::min<int64_t>(128, std::max<int64_t>(8, (want + 7) / 8 * 8));
-  const int64_t nblk = (w.N + rb - 1) / rb;
-  const DotFn dot = k_->fmt[static_cast<int>(w.fmt)].dot;
+// Rows per work item: about 8 items per thread over the whole call, a multiple of 8 rows.
+static int64_t rows_per_item(int64_t rows, int threads) {
+  const int64_t want = std::max<int64_t>(1, rows / (static_cast<int64_t>(threads) * 8));
+  return std::min<int64_t>(128, std::max<int64_t>(8, (want + 7) / 8 * 8));
+}
+
+// Gate and up, then GLU and the down input, in one pool run (one barrier). Items are (expert,
+// block of the 2I rows), expert-major; the thread that finishes an expert's last block applies
+// the GLU to h[p][:I] for that expert's pairs and prepares aq[p] (the same work whichever
+// thread it is, so results do not depend on the thread count).
+void Executor::gate_up_glu(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
+                           float* h, uint8_t* aq, int64_t as) {
+  const int64_t I = a.w13.N / 2, nact = static_cast<int64_t>(rt.experts.size());
+  const int64_t rb = rows_per_item(a.w13.N * nact, pool_.size());
+  const int64_t nblk = (a.w13.N + rb - 1) / rb;
+  const DotFn dot = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
+  const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[nact]);
+  for (int64_t i = 0; i < nact; ++i) done[i].store(0, std::memory_order_relaxed);
   pool_.run(nact * nblk, [&](int64_t it) {
-    const int64_t ei = it / nblk, r0 = (it % nblk) * rb;
-    const int64_t nr = std::min(rb, w.N - r0);
-    const int64_t p = p0[ei];
-    dot(w, experts[ei], r0, nr, acts + p, static_cast<int>(p0[ei + 1] - p), out + p * w.N + r0,
-        w.N);
+    const int64_t ei = it / nblk, r0 = (it % nblk) * rb, nr = std::min(rb, a.w13.N - r0);
+    const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
+    dot(a.w13, e, r0, nr, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0, 2 * I);
+    if (done[ei].fetch_add(1, std::memory_order_acq_rel) != nblk - 1) return;
+    const float* s = a.scales + e * 4;
+    for (int64_t p = p0; p < p1; ++p) {
+      float* g = h + p * 2 * I;
+      for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
+      prep2(g, I, aq + p * as);
+    }
+  });
+}
+
+// Down and the weighted sum over each token's k experts, in one pool run. Items are blocks of
+// the H output rows; each runs every active expert's rows of its block into d, then
+// y[t, rows] = sum_j route[t, j] * d[p(t, j), rows] * s_down in j order (fixed order).
+void Executor::down_reduce(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
+                           float* d) {
+  const int64_t H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
+  const int64_t rb = rows_per_item(H * nact, pool_.size());
+  const int64_t nblk = (H + rb - 1) / rb;
+  const DotFn dot = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
+  pool_.run(nblk, [&](int64_t it) {
+    const int64_t c0 = it * rb, c1 = std::min(H, c0 + rb);
+    for (int64_t ei = 0; ei < nact; ++ei) {
+      const int64_t p0 = rt.p0[ei];
+      dot(a.w2, rt.experts[ei], c0, c1 - c0, acts + p0, static_cast<int>(rt.p0[ei + 1] - p0),
+          d + p0 * H + c0, H);
+    }
+    for (int64_t t = 0; t < a.T; ++t) {
+      float acc[128] = {};  // rb <= 128
+      for (int64_t j = 0; j < a.k; ++j) {
+        const int64_t i = t * a.k + j;
+        const float sd = a.scales[a.ids[i] * 4 + 2], r = a.route[i];
+        const float* dp = d + rt.pidx[i] * H;
+        for (int64_t c = c0; c < c1; ++c) acc[c - c0] += r * (dp[c] * sd);
+      }
+      if (a.out_bf16) {
+        auto* o = static_cast<uint16_t*>(a.out) + t * H;
+        for (int64_t c = c0; c < c1; ++c) o[c] = f32_to_bf16(acc[c - c0]);
+      } else {
+        auto* o = static_cast<float*>(a.out) + t * H;
+        for (int64_t c = c0; c < c1; ++c) o[c] = acc[c - c0];
+      }
+    }
   });
 }
 
@@ -78,66 +127,39 @@ void Executor::forward(const LayerArgs& a) {
                                   std::to_string(i % a.k) + "] = " + std::to_string(a.ids[i]) +
                                   " is outside [0, " + std::to_string(E) + ")");
   // Pairs (t, j) sorted by expert (stable): one expert's tokens are contiguous.
-  std::vector<int64_t> order(P), pidx(P), experts, p0;
+  Routing rt;
+  std::vector<int64_t> order(P);
+  rt.pidx.resize(P);
   for (int64_t i = 0; i < P; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t u, int64_t v) { return a.ids[u] < a.ids[v]; });
   for (int64_t p = 0; p < P; ++p) {
-    pidx[order[p]] = p;
+    rt.pidx[order[p]] = p;
     if (p == 0 || a.ids[order[p]] != a.ids[order[p - 1]]) {
-      experts.push_back(a.ids[order[p]]);
-      p0.push_back(p);
+      rt.experts.push_back(a.ids[order[p]]);
+      rt.p0.push_back(p);
     }
   }
-  p0.push_back(P);
+  rt.p0.push_back(P);
 
-  // 1. the layer input, once per token, in the w13 format's activation layout
+  // 1. the layer input, once per token, in the w13 format's activation layout (inline at T=1)
   const int64_t xs = act_stride(*k_, a.w13.fmt, H);
   uint8_t* xq = xq_.get(a.T * xs);
   prep_tokens(a.w13, a.x, a.T, H, xq, xs);
   auto** ptr = reinterpret_cast<const uint8_t**>(ptrs_.get(P * sizeof(void*)));
   for (int64_t p = 0; p < P; ++p) ptr[p] = xq + (order[p] / a.k) * xs;
 
-  // 2. gate and up: h[p] = [x W_g^T | x W_u^T]  ([P, 2I])
+  // 2. gate and up: h[p] = [x W_g^T | x W_u^T] ([P, 2I]), GLU in place, the down input aq[p]
   float* h = reinterpret_cast<float*>(h_.get(P * 2 * I * 4));
-  matmul_experts(a.w13, experts, p0, ptr, h);
-
-  // 3. GLU in place (h[p][:I]) and the down input's activation layout
   const int64_t as = act_stride(*k_, a.w2.fmt, I);
   uint8_t* aq = aq_.get(P * as);
-  const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
-  pool_.run(P, [&](int64_t p) {
-    const float* s = a.scales + a.ids[order[p]] * 4;
-    float* g = h + p * 2 * I;
-    for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
-    prep2(g, I, aq + p * as);
-  });
-  for (int64_t p = 0; p < P; ++p) ptr[p] = aq + p * as;
+  gate_up_glu(a, rt, ptr, h, aq, as);
+  auto** ptr2 = reinterpret_cast<const uint8_t**>(ptrs2_.get(P * sizeof(void*)));
+  for (int64_t p = 0; p < P; ++p) ptr2[p] = aq + p * as;
 
-  // 4. down: d[p] = glu[p] W_d^T  ([P, H])
+  // 3. down d[p] = glu[p] W_d^T ([P, H]) and y[t] = sum_j route[t, j] * d[p(t, j)] * s_down
   float* d = reinterpret_cast<float*>(d_.get(P * H * 4));
-  matmul_experts(a.w2, experts, p0, ptr, d);
-
-  // 5. y[t] = sum_j route[t, j] * d[p(t, j)] * s_down, j in order (fixed summation order)
-  constexpr int64_t kCols = 256;
-  const int64_t ncb = (H + kCols - 1) / kCols;
-  pool_.run(a.T * ncb, [&](int64_t it) {
-    const int64_t t = it / ncb, c0 = (it % ncb) * kCols, c1 = std::min(H, c0 + kCols);
-    float acc[kCols] = {};
-    for (int64_t j = 0; j < a.k; ++j) {
-      const int64_t i = t * a.k + j;
-      const float sd = a.scales[a.ids[i] * 4 + 2], r = a.route[i];
-      const float* dp = d + pidx[i] * H;
-      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += r * (dp[c] * sd);
-    }
-    if (a.out_bf16) {
-      auto* o = static_cast<uint16_t*>(a.out) + t * H;
-      for (int64_t c = c0; c < c1; ++c) o[c] = f32_to_bf16(acc[c - c0]);
-    } else {
-      auto* o = static_cast<float*>(a.out) + t * H;
-      for (int64_t c = c0; c < c1; ++c) o[c] = acc[c - c0];
-    }
-  });
+  down_reduce(a, rt, ptr2, d);
 }
 
 // ============================================================================

@@ -66,12 +66,17 @@ class Executor {
  private:
   void prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, uint8_t* out,
                    int64_t stride);
-  void matmul_experts(const Bank& w, const std::vector<int64_t>& experts,
-                      const std::vector<int64_t>& p0, const uint8_t* const* acts, float* out);
+  // Pairs sorted by expert: experts[i] has pairs p0[i] .. p0[i+1]-1; pidx[t*k + j] = its pair.
+  struct Routing {
+    std::vector<int64_t> experts, p0, pidx;
+  };
+  void gate_up_glu(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
+                   uint8_t* aq, int64_t as);
+  void down_reduce(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* d);
 
   ThreadPool pool_;
   const Kernels* k_;
-  Scratch xq_, h_, aq_, d_, ptrs_;
+  Scratch xq_, h_, aq_, d_, ptrs_, ptrs2_;
 };
 
 int64_t act_stride(const Kernels& k, Fmt fmt, int64_t K);
