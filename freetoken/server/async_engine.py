@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from freetoken.engine.outputs import RequestOutput
 from freetoken.engine.sampling_params import SamplingParams
@@ -237,19 +237,3 @@ def _set_result(fut: asyncio.Future, value) -> None:
 def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    per_choice: dict[int, int] = field(default_factory=dict)
-
-    def as_openai(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }

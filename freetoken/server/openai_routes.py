@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from freetoken.server import openai_chat as chat
 from freetoken.server.errors import APIError, error_body
+from freetoken.server.openai_completion import CompletionRun
 from freetoken.server.protocol_openai import ChatCompletionRequest, CompletionRequest
 from freetoken.server.serving import (
     ServerState,
@@ -89,7 +90,7 @@ async def completions(request: Request):
     rid = new_id("cmpl-")
     stream = await state.engine.submit(sub_requests(rid, ids, params))
     prompt_text = p if isinstance(p, str) else state.tokenizer.decode(ids)
-    run = chat.CompletionRun(state, req, ids, rid, prompt_text)
+    run = CompletionRun(state, req, ids, rid, prompt_text)
     if req.stream:
         return sse_response(sse_stream(request.url.path, run.stream_events(stream), stream.close))
     try:
