@@ -90,7 +90,7 @@ void Executor::gate_up_glu(const LayerArgs& a, const Routing& rt, const uint8_t*
 void Executor::down_reduce(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
                            float* d) {
   const int64_t H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
-  const int64_t rb = rows_per_item(H * nact, pool_.size());
+  const int64_t rb = rows_per_item(H, pool_.size());  // an item runs all nact experts
   const int64_t nblk = (H + rb - 1) / rb;
   const DotFn dot = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
   pool_.run(nblk, [&](int64_t it) {
