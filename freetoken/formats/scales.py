@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from freetoken.formats.gguf import GGUFFile, TensorInfo
 
 ACCEPTED_SUFFIXES = ("scale", "input_scale")
+# Tensors llama.cpp's converter names `.scale` that are model parameters, not second-level
+# scales, so they may sit beside a weight of any type: Gemma-4's router input scale
+# `ffn_gate_inp.scale` [H] and its per-expert output scale `ffn_down_exps.scale` [E] (the
+# router's per_expert_scale; for NVFP4 experts it is folded into weight_scale_2).
+ARCH_PARAMETERS = {"gemma4": ("ffn_gate_inp.scale", "ffn_down_exps.scale")}
 
 
 def is_scale_tensor(name: str) -> bool:
@@ -60,9 +65,13 @@ def _check_one(g: GGUFFile, name: str, ti: TensorInfo) -> None:
 
 def check_scales(gguf: GGUFFile) -> None:
     """Raise FormatError naming the first scale tensor that breaks the rules above."""
+    params = ARCH_PARAMETERS.get(gguf.arch, ())
     for name, ti in gguf.tensors.items():
-        if is_scale_tensor(name):
-            _check_one(gguf, name, ti)
+        if not is_scale_tensor(name):
+            continue
+        if name.endswith(params) and ti.ggml_type == GGMLQuantizationType.F32:
+            continue
+        _check_one(gguf, name, ti)
 
 
 def scaled_weights(gguf: GGUFFile) -> list[str]:

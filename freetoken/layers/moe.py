@@ -103,7 +103,9 @@ class Vector(nn.Module):
         self.register_buffer("value", torch.full((n,), init), persistent=False)
 
     def gguf_name(self, src, hf_name: str) -> str | None:
-        return None  # no GGUF counterpart unless a subclass says
+        """The GGUF tensor name ("" = not stored in GGUFs, keep the default)."""
+        key = src.key(hf_name)  # gemma4 layer_scalar -> blk.N.layer_output_scale
+        return f"{key}.weight" if key else None
 
     def load(self, t: torch.Tensor, name: str = "") -> None:
         if t.numel() != self.value.numel():

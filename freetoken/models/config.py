@@ -232,7 +232,7 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
     head_dim = int(get("attention.key_length", hidden // heads))
     gemma = a == "gemma3"
     eos = md.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    cfg = ModelConfig(
         arch=GGUF_ARCHS.get(a, a), vocab_size=vocab_size, hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")), num_layers=n, num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
@@ -253,6 +253,22 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
             md[f"{a}.rope.dimension_count"]),
         **_gguf_moe(md, a),
     )
+    return _gguf_gemma4(md, cfg) if a == "gemma4" else cfg
+
+
+def _gguf_gemma4(md: dict, cfg: ModelConfig) -> ModelConfig:
+    """llama.cpp's gemma4 keys: key_length is the full layers' head size, *_swa the sliding
+    layers'; `sliding_window_pattern` is True per sliding layer. Proportional rotary arrives
+    as `rope_freqs` (1e30 divisors on the frozen frequencies), which the loader applies."""
+    a = "gemma4"
+    pattern = md.get(f"{a}.attention.sliding_window_pattern") or [False] * cfg.num_layers
+    return replace(
+        cfg, head_dim=int(md.get(f"{a}.attention.key_length_swa", cfg.head_dim)),
+        global_head_dim=cfg.head_dim, layer_types=tuple("sliding" if p else "full"
+                                                        for p in pattern),
+        rope_local_theta=float(md.get(f"{a}.rope.freq_base_swa", 1e4)), attn_scale=1.0,
+        sliding_window=int(md[f"{a}.attention.sliding_window"]), hidden_act="gelu_tanh",
+        rotary_dim=None)
 
 
 def embed_scale(cfg: ModelConfig) -> float:

@@ -64,13 +64,27 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(o.reshape(-1, c.num_heads * d))
 
 
+class _RouterScale(Vector):
+    def gguf_name(self, src, hf_name: str) -> str | None:
+        key = src.key(hf_name.removesuffix(".scale") + ".proj")  # blk.N.ffn_gate_inp
+        return f"{key}.scale" if key else None
+
+
+class _PerExpertScale(Vector):
+    def gguf_name(self, src, hf_name: str) -> str | None:
+        return ""  # llama.cpp's converter moves it to ffn_down_exps.scale: the bank's s_down
+
+
 class Gemma4Router(nn.Module):
+    """In GGUFs the per-expert scale lives in the down experts' `.scale` (the bank's s_down
+    column), so the router keeps ones there: the same product, taken after the expert."""
+
     def __init__(self, spec: MoESpec, eps: float):
         super().__init__()
         self.spec, self.eps = spec, eps
         self.proj = Linear(spec.hidden_size, spec.num_experts)
-        self.scale = Vector(spec.hidden_size)
-        self.per_expert_scale = Vector(spec.num_experts)
+        self.scale = _RouterScale(spec.hidden_size)
+        self.per_expert_scale = _PerExpertScale(spec.num_experts)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = _rms(x, self.eps) * self.scale.value.to(x.dtype) * self.spec.hidden_size**-0.5

@@ -28,15 +28,23 @@ def load_experts(ld, t, names: set[str]) -> None:
 
 def _gguf(ld, t, names: set[str]) -> None:
     mod = t.module
-    keys = [ld.expert_key(t.hf_prefix, p) for p in mod.part_names]
-    merged = keys[0].replace("ffn_gate_exps", "ffn_gate_up_exps")
-    if merged != keys[0] and merged + ".weight" in names:
-        keys = [merged, keys[2]]
+    merged = ld.src.key(f"{t.hf_prefix}.gate_up_proj")  # gemma4: HF and GGUF both merged
+    if merged and merged + ".weight" in names:
+        keys = [merged, ld.expert_key(t.hf_prefix, mod.part_names[2])]
+    else:
+        keys = [ld.expert_key(t.hf_prefix, p) for p in mod.part_names]
+        merged = keys[0].replace("ffn_gate_exps", "ffn_gate_up_exps")
+        if merged != keys[0] and merged + ".weight" in names:
+            keys = [merged, keys[2]]
     lack = [k + ".weight" for k in keys if k + ".weight" not in names]
     if lack:
         ld.missing.extend(lack)
         return
     ws = [ld._weight(k) for k in keys]
+    down = ws[-1]
+    if down.scale2 is None and keys[-1] + ".scale" in names:
+        # gemma4's per-expert output scale beside non-NVFP4 experts (formats/scales.py)
+        down.scale2 = ld.src.tensor(keys[-1] + ".scale").float().reshape(-1)
     if len(ws) == 2:
         mod.load_merged(*ws)
     else:
@@ -67,7 +75,10 @@ def load_vector(ld, t, names: set[str]) -> None:
     """A layers.moe.Vector: HF names it by its module path, GGUF as the module says."""
     name = t.hf_prefix
     if ld.src.kind == "gguf":
-        name = t.module.gguf_name(ld.src, name) or name
+        name = t.module.gguf_name(ld.src, name)
+        if name == "":  # this source folds the parameter elsewhere: keep the default
+            return
+        name = name or t.hf_prefix
     if name not in names:
         ld.missing.append(name)
         return

@@ -4,14 +4,19 @@ and a full layer (head 64, "proportional" rotary turning a quarter of the freque
 query scale 1, final soft-capping; the MoE model adds the router (norm, scale, per-expert
 scale), fused experts in parallel with the dense MLP, and layer_scalar 0.7 on every layer.
 
-Source: the saved HF directory (transformers 5 writes gemma4's experts fused as
-`experts.gate_up_proj` / `experts.down_proj`). Tolerance 1e-4 * max |logit| as for the other
-models (test_qwen3_moe.py says why); dropping per_expert_scale fails it by O(1) (checked).
+Sources: the saved HF directory (transformers 5 writes gemma4's experts fused as
+`experts.gate_up_proj` / `experts.down_proj`) and the GGUFs llama.cpp's converter makes of it
+(f32, bf16, q8_0; `ffn_gate_up_exps`, the router's input scale as `ffn_gate_inp.scale`, its
+per-expert scale moved to `ffn_down_exps.scale` and so into the bank's s_down column while the
+router keeps ones, proportional rotary as `rope_freqs`), each against transformers holding the
+file's weights as gguf-py's numpy `gguf.quants` dequantizes them (tiny_moe.gguf_reference,
+which takes the rotary from the HF config, not from `rope_freqs`). tiny_moe.gguf_path says how
+the converter is made to run on transformers 5 configs and SmolLM2's tokenizer.
 
-Not covered here: the GGUF path (this converter reads `global_head_dim` from transformers'
-config object, which transformers 5 folds into `per_layer_config`, and it writes router and
-per-expert scales as `.scale` tensors beside float weights, which formats/scales.py refuses),
-NVFP4, per-layer input embeddings, KV sharing and attention_k_eq_v.
+Tolerance 1e-4 * max |logit| as for the other models (test_qwen3_moe.py says why); dropping
+per_expert_scale (HF) or the bank's s_down column (GGUF) fails it by O(1) (checked).
+
+Not covered: NVFP4 gemma4, per-layer input embeddings, KV sharing and attention_k_eq_v.
 """
 
 from __future__ import annotations
@@ -44,6 +49,27 @@ def test_hf_dir(arch):
         dropped = tmoe.rel_err(prefill_logits(model, seqs), ref)
         print(f"{arch} without per_expert_scale: {dropped:.2e}")
         assert dropped > 100 * TOL
+
+
+@pytest.mark.parametrize("arch,outtype", [("gemma4", "f32"), ("gemma4", "bf16"),
+                                          ("gemma4", "q8_0"), ("gemma4_dense", "q8_0")])
+def test_gguf(arch, outtype):
+    path = tmoe.gguf_path(arch, outtype)
+    model, src = load_model(path, show_progress=False)
+    cfg = model.config
+    assert src.kind == "gguf" and cfg.layer_types == ("sliding", "full")
+    assert (cfg.head_dim, cfg.global_head_dim, cfg.sliding_window) == (32, 64, 8)
+    seqs = tmoe.prompts()
+    ref = tmoe.hf_logits(tmoe.gguf_reference(arch, path), seqs)
+    err = tmoe.rel_err(prefill_logits(model, seqs), ref)
+    print(f"{arch} gguf {outtype}: {err:.2e}")
+    assert err <= TOL
+    if arch == "gemma4":
+        banks = [layer.experts.bank for layer in model.model.layers]
+        assert all(bool((b.scales[:, 2] != 1).all()) for b in banks), "per-expert scale"
+        for b in banks:
+            b.scales[:, 2] = 1.0
+        assert tmoe.rel_err(prefill_logits(model, seqs), ref) > 100 * TOL
 
 
 if __name__ == "__main__":

