@@ -4,11 +4,38 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <chrono>
 #include <cstdlib>
 
 namespace ft {
 
-constexpr int kSpinIters = 20000;  // ~50-100 us of pause before sleeping
+// Spin policy, read once per process: FREETOKEN_CPU_MOE_SPIN_US (default 1000) is how long an
+// idle worker polls before it sleeps (decode calls come every ~100 us per layer; a pause costs
+// ~140 cycles on Sapphire/Emerald Rapids, so a count of pauses is no measure of time), and
+// FREETOKEN_CPU_MOE_SPIN_PAUSE=N (default 1) executes one pause every N polls, 0 = never (in
+// a KVM guest, back-to-back pauses can trigger pause-loop exits, which add latency).
+struct SpinPolicy {
+  int64_t spin_ns = 1000 * 1000;
+  int pause_every = 1;
+};
+
+static int64_t env_int(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !v[0]) return dflt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return (end && *end == 0 && x >= 0) ? x : dflt;
+}
+
+static const SpinPolicy& spin_policy() {
+  static const SpinPolicy p{env_int("FREETOKEN_CPU_MOE_SPIN_US", 1000) * 1000,
+                            static_cast<int>(env_int("FREETOKEN_CPU_MOE_SPIN_PAUSE", 1))};
+  return p;
+}
+
+static inline void relax(uint64_t i, int pause_every) {
+  if (pause_every > 0 && i % static_cast<uint64_t>(pause_every) == 0) _mm_pause();
+}
 
 // Worker t runs on the t-th CPU the process may use, so the OS does not migrate it mid-layer
 // (its L1/L2 and the prefetchers' streams stay put). The caller (tid 0) is left alone. Skipped
@@ -47,10 +74,16 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::worker(int tid) {
   uint64_t seen = 0;
+  const SpinPolicy& sp = spin_policy();
+  using Clock = std::chrono::steady_clock;
   for (;;) {
     uint64_t g = gen_.load(std::memory_order_acquire);
-    for (int i = 0; g == seen && i < kSpinIters; ++i) {
-      _mm_pause();
+    const auto t0 = Clock::now();
+    for (uint64_t i = 1; g == seen; ++i) {  // the clock is read every 256 polls
+      if (i % 256 == 0 && std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                Clock::now() - t0).count() >= sp.spin_ns)
+        break;
+      relax(i, sp.pause_every);
       g = gen_.load(std::memory_order_acquire);
     }
     if (g == seen) {
@@ -78,7 +111,8 @@ void ThreadPool::run_per_thread(const std::function<void(int)>& fn) {
   }
   cv_.notify_all();
   fn(0);
-  while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+  const int pe = spin_policy().pause_every;
+  for (uint64_t i = 0; pending_.load(std::memory_order_acquire) != 0; ++i) relax(i, pe);
 }
 
 void ThreadPool::run(int64_t n_items, const std::function<void(int64_t)>& fn) {
