@@ -100,7 +100,11 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
-        """Queue a request. ValueError (message for the user) on bad input; nothing queued."""
+        """Queue a request. ValueError (message for the user) on bad input; nothing queued.
+
+        One request is one sequence: `params.n` is for callers (LLM, server), who add n
+        requests.
+        """
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")

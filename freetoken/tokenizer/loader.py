@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 from freetoken import assets
@@ -43,6 +44,7 @@ def load_hf_tokenizer(path: str | os.PathLike):
     cached = assets.cache_dir() / "tokenizers" / gguf_cache_key(p)
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(str(cached))
+    print(f"building the tokenizer from {p.name}'s metadata (once; cached)", file=sys.stderr)
     try:
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     except Exception as e:  # transformers raises many types for unsupported vocabularies

@@ -18,10 +18,6 @@ from freetoken.formats.dequant import dequantize
 from freetoken.formats.qweight import QuantWeight
 from freetoken.tokenizer import Tokenizer
 
-# NOTE: on a busy 2-core machine torch's second thread makes every small op wait for a time
-# slice (a decode step measured 3.5 s with 2 threads, 0.1 s with 1); tests use one thread.
-torch.set_num_threads(1)
-
 
 def _as_f32(qw: QuantWeight) -> QuantWeight:
     w = dequantize(qw, apply_scale2=True)

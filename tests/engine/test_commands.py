@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import sys
 
-import helpers  # noqa: F401 - one torch thread, as the other engine tests
 import pytest
 
 from freetoken import cli
