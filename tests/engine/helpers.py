@@ -62,4 +62,7 @@ def run(eng: Engine, prompts: dict[str, list[int]], params) -> dict:
             if out.finished:
                 out.logprobs = logprobs[out.request_id] if out.logprobs is not None else None
                 done[out.request_id] = out
+    stats = eng.stats()  # every finished request gave its pages back
+    assert stats.kv_pages_used == 0 and stats.num_running == stats.num_waiting == 0
+    assert eng.pool.num_free + stats.kv_pages_cached == eng.pool.num_pages
     return done
