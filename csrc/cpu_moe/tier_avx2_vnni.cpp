@@ -164,20 +164,19 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
     }
 }
 
-// Rows r..r+R-1 against every token, in groups of at most 4 tokens (a weight row comes from
-// memory once for all of them).
-template <int R>
-static inline void rows_all_tokens(const Bank& w, int64_t e, int64_t r, const uint8_t* const* a,
-                                   int ntok, float* o, int64_t os) {
+// Row r against every token, in groups of at most 4 tokens (the row comes from memory once for
+// all of them).
+static inline void row_all_tokens(const Bank& w, int64_t e, int64_t r, const uint8_t* const* a,
+                                  int ntok, float* o, int64_t os) {
   const int64_t sb = w.K / 16, rb = w.row_bytes;
   const uint8_t* wr = w.row(e, r);
   const uint8_t* sc = w.scales + (e * w.N + r) * sb;
   int t = 0;
-  for (; t + 4 <= ntok; t += 4) rows_dot<R, 4>(wr, rb, sc, sb, w.K, a + t, o + t * os, os);
+  for (; t + 4 <= ntok; t += 4) rows_dot<1, 4>(wr, rb, sc, sb, w.K, a + t, o + t * os, os);
   switch (ntok - t) {
-    case 3: rows_dot<R, 3>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
-    case 2: rows_dot<R, 2>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
-    case 1: rows_dot<R, 1>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
+    case 3: rows_dot<1, 3>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
+    case 2: rows_dot<1, 2>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
+    case 1: rows_dot<1, 1>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
     default: break;
   }
 }
@@ -186,13 +185,13 @@ static inline void rows_all_tokens(const Bank& w, int64_t e, int64_t r, const ui
 // 23.6-24.3, 2 rows 22.5; 4 spill the accumulators to the stack but still win).
 static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                       const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  constexpr int kRows1 = 4;
-  const int64_t r1 = r0 + nrows;
+  const int64_t r1 = r0 + nrows, sb = w.K / 16;
   int64_t r = r0;
   if (ntok == 1)
-    for (; r + kRows1 <= r1; r += kRows1)
-      rows_all_tokens<kRows1>(w, e, r, acts, 1, out + (r - r0), os);
-  for (; r < r1; ++r) rows_all_tokens<1>(w, e, r, acts, ntok, out + (r - r0), os);
+    for (; r + 4 <= r1; r += 4)
+      rows_dot<4, 1>(w.row(e, r), w.row_bytes, w.scales + (e * w.N + r) * sb, sb, w.K, acts,
+                     out + (r - r0), os);
+  for (; r < r1; ++r) row_all_tokens(w, e, r, acts, ntok, out + (r - r0), os);
 }
 
 }  // namespace avx2_vnni_tier
