@@ -10,7 +10,8 @@ converter turns it into an NVFP4 GGUF whose experts carry `ffn_*_exps.scale` [E]
   1e-4 * max |logit| as for float models: FreeToken multiplies results by the scales instead of
   the weights, which differs by float32 rounding only.
 - With the scales dropped (the banks set to ones) the same comparison fails by O(1).
-- Greedy decoding gives identical tokens on both paths for 64 tokens.
+- Greedy decoding gives identical tokens on both paths for 64 tokens, by a plain loop over the
+  model and by the engine's offline `LLM`.
 - An NVFP4 `token_embd` with its `.scale` (which the reference system refuses) loads and
   matches on both paths.
 - Refused at start-up: --dtype float16 with scaled NVFP4 weights; per-expert scales on a
@@ -79,6 +80,9 @@ def test_dropped_expert_scales_fail(paths, reference, kind):
 
 
 def test_greedy_hf_and_gguf_identical(paths):
+    """A plain greedy loop over each model, and the engine's offline LLM on each file."""
+    from freetoken import LLM, SamplingParams
+
     prompt = tmoe.prompts(1)[0]
     runs = {k: tmoe.greedy(load_model(p, show_progress=False)[0], prompt, N_TOKENS)
             for k, p in paths.items()}
@@ -86,6 +90,10 @@ def test_greedy_hf_and_gguf_identical(paths):
     print(f"{ARCH} nvfp4 greedy: min top-2 margin {min(margins):.3g}")
     assert len(hf_tokens) == N_TOKENS
     assert hf_tokens == gguf_tokens
+    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
+    for kind, p in paths.items():
+        out = LLM(str(p)).generate([prompt], params)[0].token_ids
+        assert out == hf_tokens, f"engine on the {kind} file"
 
 
 @pytest.mark.parametrize("kind", ["hf", "gguf"])
