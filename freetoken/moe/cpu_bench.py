@@ -4,7 +4,8 @@ Measured in one run, per tier:
 - one NVFP4 dot at K = 2048 on one core with its weights in L2 (a ~1 MiB matrix), and on all
   threads from DRAM (a matrix several times larger than the last-level cache);
 - whole layers (bytes of the experts touched, block scales included, / time) for three shapes
-  at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM;
+  at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM (the
+  best of LAYER_RUNS runs of MIN_SECONDS each, fresh routing per run);
 - the streaming-read ceiling: AVX-512 streaming loads (AVX2 where absent) on all threads over
   a buffer far larger than the last-level cache. Every figure is also given as a percentage of
   that ceiling.
@@ -47,6 +48,7 @@ BATCHES = (1, 2, 4, 8)
 GiB = 1 << 30
 MIN_SECONDS = 0.25  # each figure: repeat until at least this long
 PASSES = 5  # DRAM sweeps: the best of this many full passes
+LAYER_RUNS = 3  # whole layers: the best of this many runs of MIN_SECONDS each
 
 
 # ---------------------------------------------------------------------------
@@ -185,8 +187,11 @@ class LayerBench:
 
         t, _ = run(4, 0)  # warm-up and an estimate of one call
         iters = max(8, min(4000, int(MIN_SECONDS / max(t / 4, 1e-6))))
-        t, nbytes = run(iters, 1)
-        return nbytes / t / 1e9
+        best = 0.0
+        for seed in range(1, 1 + LAYER_RUNS):  # best run, as the ceiling's best sweep
+            t, nbytes = run(iters, seed)
+            best = max(best, nbytes / t / 1e9)
+        return best
 
 
 # ---------------------------------------------------------------------------
