@@ -136,8 +136,11 @@ def dot_l2(ex: CpuMoeExecutor) -> float:
     w = nvfp4_bank(1, N, K, 7)
     x = torch.randn(K)
     bank = make_bank(w, "w")
-    t, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, 1))
-    return w.nbytes() * it / t / 1e9
+    best = 0.0
+    for _ in range(LAYER_RUNS):  # best run of >= MIN_SECONDS, as the other figures
+        t, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, 1))
+        best = max(best, w.nbytes() * it / t / 1e9)
+    return best
 
 
 def dot_dram(ex: CpuMoeExecutor, w: QuantWeight) -> float:
