@@ -180,6 +180,7 @@ class AsyncEngine:
             for rid in arg:
                 if self._tracked.pop(rid, None) is not None:
                     self.engine.abort(rid)
+                    self.metrics.finished.labels("abort").inc()
 
     def _add(self, stream: RequestStream) -> None:
         if stream.closed:  # the client left before we got to it

@@ -139,6 +139,8 @@ def test_50_disconnects_leave_nothing_behind(server, oai):
         async with httpx.AsyncClient(timeout=900) as client:
             return sum(await asyncio.gather(*[one(client) for _ in range(50)]))
 
+    finished = {reason: metric(server.base, "freetoken_request_finished_total", 0, reason=reason)
+                for reason in ("length", "stop", "abort")}
     assert asyncio.run(run()) == 50
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and metric(server.base, "freetoken_num_requests_running"):
@@ -146,7 +148,10 @@ def test_50_disconnects_leave_nothing_behind(server, oai):
     assert metric(server.base, "freetoken_num_requests_running") == 0
     assert metric(server.base, "freetoken_num_requests_waiting") == 0
     assert metric(server.base, "freetoken_kv_cache_pages_used") == 0
-    assert metric(server.base, "freetoken_request_finished_total", 0, reason="length") == 0
+    after = {reason: metric(server.base, "freetoken_request_finished_total", 0, reason=reason)
+             for reason in finished}
+    # every one of the 50 was cut short by its client: none ran to its end
+    assert after == {**finished, "abort": finished["abort"] + 50}
     r = oai.chat.completions.create(model="smollm2-135m-instruct", messages=MSGS, **GREEDY)
     assert r.choices[0].message.content
 

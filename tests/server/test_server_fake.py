@@ -217,6 +217,7 @@ async def _disconnect_many(base: str, n: int) -> None:
 
 
 def test_disconnect_frees_everything(server, oai):
+    aborted = metric(server.base, "freetoken_request_finished_total", 0, reason="abort")
     asyncio.run(_disconnect_many(server.base, 20))
     for _ in range(50):
         if metric(server.base, "freetoken_num_requests_running") == 0:
@@ -225,6 +226,7 @@ def test_disconnect_frees_everything(server, oai):
     assert metric(server.base, "freetoken_num_requests_running") == 0
     assert metric(server.base, "freetoken_num_requests_waiting") == 0
     assert metric(server.base, "freetoken_kv_cache_pages_used") == 0
+    assert metric(server.base, "freetoken_request_finished_total", reason="abort") == aborted + 20
     assert oai.chat.completions.create(model="fake", messages=say("still here")).choices[
         0].message.content == "still here"
 
