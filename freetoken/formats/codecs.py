@@ -23,9 +23,17 @@ F32 = torch.float32
 
 
 # -- byte helpers ---------------------------------------------------------------------------------
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes uint8 [..., k * itemsize] viewed as `dtype` [..., k], copied first where they are
+    not contiguous or not aligned to the item size (a view needs both)."""
+    if not x.is_contiguous() or x.storage_offset() % dtype.itemsize:
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x.view(dtype)
+
+
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Little-endian f16 bytes [n, 2k] -> fp32 [n, k]."""
-    return b.contiguous().view(torch.float16).to(F32)
+    return _as(b, torch.float16).to(F32)
 
 
 def _le(b: torch.Tensor, width: int) -> torch.Tensor:
@@ -73,31 +81,77 @@ def _pm(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(bits == 0, torch.tensor(1.0), torch.tensor(-1.0))
 
 
-# -- legacy 32-value blocks -----------------------------------------------------------------------
-def _q4_0(b):
-    return _f16(b[:, :2]) * (_nibbles(b[:, 2:], 16) - 8).to(F32)
+# -- fast paths: uint8 codes built with 64-bit word ops, one int8/uint8 -> fp32 pass into `out` --
+# Each `_<type>_into(b, out)` fills fp32 `out` [n, block] from blocks `b` [n, type_size]. The
+# fp32 products d * q here are exact (an f16 scale has 11 significant bits, times at most 6-bit
+# sub-block scales and 6-bit codes: <= 24 bits), so computing them in place, or fused with the
+# following add, rounds exactly as gguf-py's separate numpy operations do (NaN / inf included).
+_LO4 = 0x0F0F0F0F0F0F0F0F  # low nibble of each of 8 bytes
+_B1 = 0x0101010101010101
 
 
-def _q4_1(b):
-    return _f16(b[:, :2]) * _nibbles(b[:, 4:], 16).to(F32) + _f16(b[:, 2:4])
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """uint8 [n, 8k] -> int64 [n, k]: 8 bytes per word, for byte-parallel masks and shifts."""
+    return _as(x, torch.int64)
 
 
-def _q5(b, off):
-    qh = _le(b[:, off : off + 4], 4)  # [n, 1]
-    qh = (_shifts(qh, list(range(32)), dim=-1).reshape(b.shape[0], 32) & 1)
-    return _nibbles(b[:, off + 4 :], 16) | (qh << 4)
+def _nib8(qs: torch.Tensor, group: int) -> torch.Tensor:
+    """Per run of `group` bytes (a multiple of 8): low nibbles, then high: uint8 [n, -1]."""
+    n = qs.shape[0]
+    x = _words(qs).reshape(n, -1, group // 8)
+    return torch.stack((x & _LO4, (x >> 4) & _LO4), dim=-2).view(torch.uint8).reshape(n, -1)
 
 
-def _q5_0(b):
-    return _f16(b[:, :2]) * (_q5(b, 2) - 16).to(F32)
+def _planes(qh: torch.Tensor, width: int, count: int, at: int) -> torch.Tensor:
+    """Bit planes of bytes: for each of `count` fields of `width` bits (lowest first), that field
+    of every byte of `qh`, moved to bit `at`. uint8 [n, 8k] -> uint8 [n, count, 8k]."""
+    x = _words(qh).unsqueeze(1)  # [n, 1, k]
+    mask = ((1 << width) - 1) * _B1 << at
+    fields = [(x << (at - s) if at >= s else x >> (s - at)) & mask
+              for s in range(0, width * count, width)]
+    return torch.cat(fields, dim=1).view(torch.uint8)
 
 
-def _q5_1(b):
-    return _f16(b[:, :2]) * _q5(b, 4).to(F32) + _f16(b[:, 2:4])
+@functools.cache
+def _bit_spread() -> torch.Tensor:
+    """int64 [256]: byte i of entry v is bit i of v, at bit 4 (Q5_0 / Q5_1 high bits)."""
+    return torch.tensor([sum(((v >> i) & 1) << (8 * i + 4) for i in range(8)) for v in range(256)],
+                        dtype=torch.int64)
 
 
-def _q8_0(b):
-    return b[:, 2:].contiguous().view(torch.int8).to(F32) * _f16(b[:, :2])
+def _fill(out: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
+    """out = q (int codes, converted exactly) * d, broadcast over `out`'s shape."""
+    out.copy_(q.reshape(out.shape)).mul_(d)
+
+
+def _q4_0_into(b, out):
+    q = _nib8(b[:, 2:], 16).view(torch.int8).sub_(8)
+    _fill(out, q, _f16(b[:, :2]))
+
+
+def _q4_1_into(b, out):
+    out.copy_(_nib8(b[:, 4:], 16))
+    torch.addcmul(_f16(b[:, 2:4]), _f16(b[:, :2]), out, out=out)
+
+
+def _q5_codes(b: torch.Tensor, off: int) -> torch.Tensor:
+    """Q5_0 / Q5_1 5-bit codes: 4-bit codes at `off + 4`, bit j of the u32 at `off` on the 4th
+    bit of value j. uint8 [n, 32]."""
+    hi = _bit_spread().index_select(0, b[:, off : off + 4].reshape(-1).int())
+    return _nib8(b[:, off + 4 :], 16).bitwise_or_(hi.view(torch.uint8).reshape(b.shape[0], 32))
+
+
+def _q5_0_into(b, out):
+    _fill(out, _q5_codes(b, 2).view(torch.int8).sub_(16), _f16(b[:, :2]))
+
+
+def _q5_1_into(b, out):
+    out.copy_(_q5_codes(b, 4))
+    torch.addcmul(_f16(b[:, 2:4]), _f16(b[:, :2]), out, out=out)
+
+
+def _q8_0_into(b, out):
+    _fill(out, b[:, 2:].view(torch.int8), _f16(b[:, :2]))
 
 
 def _iq4_nl(b):
@@ -105,11 +159,22 @@ def _iq4_nl(b):
     return _f16(b[:, :2]) * kv[_nibbles(b[:, 2:], 16)]
 
 
-def _mxfp4(b):
-    e = b[:, :1].long()
-    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(torch.int32)
-    kv = torch.tensor(gq.MXFP4.kvalues, dtype=F32)
-    return bits.view(F32) * kv[_nibbles(b[:, 1:], 16)]
+@functools.cache
+def _kv8(qtype: T) -> torch.Tensor:
+    """A 16-entry code book of small integers as int8 (looked up by int32 nibble index)."""
+    return torch.tensor(gq._type_traits[qtype].kvalues, dtype=torch.int8)
+
+
+def _lookup(qs: torch.Tensor, group: int, qtype: T) -> torch.Tensor:
+    """Code-book values of the nibbles of `qs` (see `_nib8`): int8 [n, -1]."""
+    idx = _nib8(qs, group)
+    return _kv8(qtype).index_select(0, idx.reshape(-1).int()).reshape(idx.shape)
+
+
+def _mxfp4_into(b, out):
+    e = b[:, :1].int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    _fill(out, _lookup(b[:, 1:], 16, T.MXFP4), bits.view(F32))
 
 
 @functools.cache
@@ -124,12 +189,10 @@ def _ue4m3_half() -> torch.Tensor:
     return torch.tensor([one(x) for x in range(256)], dtype=F32)
 
 
-def _nvfp4(b):
+def _nvfp4_into(b, out):
     n = b.shape[0]
-    d = _ue4m3_half()[b[:, :4].long()].reshape(n, 4, 1)
-    kv = torch.tensor(gq.NVFP4.kvalues, dtype=F32)
-    q = kv[_nibbles(b[:, 4:], 8)].reshape(n, 4, 16)
-    return (d * q).reshape(n, 64)
+    d = _ue4m3_half().index_select(0, b[:, :4].reshape(-1).int()).reshape(n, 4, 1)
+    _fill(out.view(n, 4, 16), _lookup(b[:, 4:], 8, T.NVFP4), d)
 
 
 # -- k-quants (256-value super-blocks) -----------------------------------------------------------
@@ -173,31 +236,30 @@ def _k4_head(b):
     return d, dm
 
 
-def _q4_k(b):
+def _q4_k_into(b, out):
+    n = b.shape[0]
+    d, dm = _k4_head(b)  # [n, 8, 1] each
+    o = out.view(n, 8, 32)
+    o.copy_(_nib8(b[:, 16:], 32).view(n, 8, 32))
+    torch.addcmul(dm.neg_(), d, o, out=o)  # d * q - dm
+
+
+def _q5_k_into(b, out):
     n = b.shape[0]
     d, dm = _k4_head(b)
-    q = _nibbles(b[:, 16:], 32).reshape(n, -1, 32).to(F32)
-    return (d * q - dm).reshape(n, QK_K)
+    q = _nib8(b[:, 48:], 32).view(n, 8, 32).bitwise_or_(_planes(b[:, 16:48], 1, 8, 4))
+    o = out.view(n, 8, 32)
+    o.copy_(q)
+    torch.addcmul(dm.neg_(), d, o, out=o)
 
 
-def _q5_k(b):
+def _q6_k_into(b, out):
     n = b.shape[0]
-    d, dm = _k4_head(b)
-    qh = (_shifts(b[:, 16:48].long().reshape(n, 1, 32), list(range(8)), dim=-2) & 1)
-    ql = _nibbles(b[:, 48:], 32).reshape(n, -1, 32)
-    q = (ql | (qh.reshape(n, -1, 32) << 4)).to(F32)
-    return (d * q - dm).reshape(n, QK_K)
-
-
-def _q6_k(b):
-    n = b.shape[0]
-    ql, qh = b[:, :128], b[:, 128:192].long()
     scales = b[:, 192:208].contiguous().view(torch.int8).to(F32)
     d = (_f16(b[:, 208:]) * scales).reshape(n, 16, 1)
-    lo = _nibbles(ql, 64).reshape(n, -1, 32)
-    hi = (_shifts(qh.reshape(n, 2, 32), [0, 2, 4, 6], dim=-2) & 3).reshape(n, -1, 32)
-    q = ((lo | (hi << 4)) - 32).reshape(n, 16, 16).to(F32)
-    return (d * q).reshape(n, QK_K)
+    hi = _planes(b[:, 128:192].reshape(2 * n, 32), 2, 4, 4).view(n, 8, 32)  # [n, 2, 4, 32]
+    q = _nib8(b[:, :128], 64).view(n, 8, 32).bitwise_or_(hi).view(torch.int8).sub_(32)
+    _fill(out.view(n, 16, 16), q, d)
 
 
 # -- ternary -------------------------------------------------------------------------------------
@@ -313,37 +375,49 @@ def _iq4_xs(b):
     return (dl * q).reshape(n, -1)
 
 
-def _bf16(b):
-    return (_le(b, 2).to(torch.int16).to(torch.int32) << 16).view(F32)
+def _float_into(dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """F32 / F16 / BF16: torch's conversions widen exactly (bf16 is the top half of an fp32)."""
+    def fill(b: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(_as(b, dtype))
+    return fill
 
 
-def _f16_block(b):
-    return _f16(b)
-
-
-def _f32(b):
-    return b.contiguous().view(F32)
-
-
+_INTO: dict[int, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    T.F32: _float_into(F32), T.F16: _float_into(torch.float16),
+    T.BF16: _float_into(torch.bfloat16),
+    T.Q4_0: _q4_0_into, T.Q4_1: _q4_1_into, T.Q5_0: _q5_0_into, T.Q5_1: _q5_1_into,
+    T.Q8_0: _q8_0_into, T.Q4_K: _q4_k_into, T.Q5_K: _q5_k_into, T.Q6_K: _q6_k_into,
+    T.MXFP4: _mxfp4_into, T.NVFP4: _nvfp4_into,
+}
+# The rest build their result and have it copied into `out`.
 _CODECS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    T.F32: _f32, T.F16: _f16_block, T.BF16: _bf16,
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
-    T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0, T.MXFP4: _mxfp4, T.NVFP4: _nvfp4,
+    T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0,
     T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs, T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs,
     T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs,
 }
-SUPPORTED_TYPES = tuple(GGMLQuantizationType(t) for t in _CODECS)
+SUPPORTED_TYPES = tuple(GGMLQuantizationType(t) for t in [*_INTO, *_CODECS])
 
-# Blocks per call: bounds the int64 temporaries (about 2 KiB per 256 values) to ~64 MiB.
-_CHUNK_BLOCKS = 1 << 15
+# Values per call: about 1 MiB of uint8 codes and 4 MiB of fp32 output per step, so the codes
+# and the output stay in cache between the few passes over them (and the slow paths' int64
+# temporaries stay bounded); fewer, larger steps cost Python overhead, smaller ones cache misses.
+_CHUNK_VALUES = 1 << 20
+
+
+def _into(qtype: GGMLQuantizationType) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+    fill = _INTO.get(qtype)
+    if fill is None and qtype in _CODECS:
+        fn = _CODECS[qtype]
+
+        def fill(b: torch.Tensor, out: torch.Tensor) -> None:
+            out.copy_(fn(b))
+    return fill
 
 
 def dequantize_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
     """GGUF blocks (uint8, any shape, `prod(shape)` values' worth of bytes) -> fp32 `shape`."""
     qtype = GGMLQuantizationType(ggml_type)
-    fn = _CODECS.get(qtype)
-    if fn is None:
+    fill = _into(qtype)
+    if fill is None:
         raise NotImplementedError(f"no dequantization for GGUF type {qtype.name}")
     block, type_size = GGML_QUANT_SIZES[qtype]
     numel = math.prod(shape)
@@ -351,6 +425,8 @@ def dequantize_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -
         raise ValueError(f"{qtype.name}: {raw.numel()} bytes ({raw.dtype}) do not hold shape "
                          f"{tuple(shape)} (blocks of {block} values in {type_size} bytes)")
     blocks = raw.reshape(-1, type_size)
-    out = torch.cat([fn(c) for c in blocks.split(_CHUNK_BLOCKS)]) if len(blocks) else \
-        torch.empty(0, block, dtype=F32)
+    out = torch.empty(len(blocks), block, dtype=F32)
+    step = max(1, _CHUNK_VALUES // block)
+    for s in range(0, len(blocks), step):
+        fill(blocks[s : s + step], out[s : s + step])
     return out.reshape(shape)
