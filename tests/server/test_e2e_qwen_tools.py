@@ -42,6 +42,16 @@ def test_auth_off(server):
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
 
 
+def test_named_tool_choice_forces_the_call(oai):
+    r = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=32)
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"
+    assert isinstance(json.loads(calls[0].function.arguments), dict)
+
+
 def test_openai_tool_call_round_trip(oai):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
                                     max_tokens=48)
@@ -68,16 +78,6 @@ def test_streamed_tool_call_matches(oai):
     assert [tc.function.name for tc in calls] == ["get_weather"]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-
-
-def test_named_tool_choice_forces_the_call(oai):
-    r = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello!"}], tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        temperature=0, max_tokens=32)
-    calls = r.choices[0].message.tool_calls
-    assert calls and calls[0].function.name == "get_weather"
-    assert isinstance(json.loads(calls[0].function.arguments), dict)
 
 
 def test_anthropic_tool_use(server):
