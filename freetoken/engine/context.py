@@ -13,6 +13,8 @@ decode tokens mixed). Shapes:
   token of each sequence that samples this step), in sampling order.
 - `kv_caches`: one tensor per attention layer, [2, num_pages, page_size, n_kv_heads, head_dim].
 - `state_slots` int64 [B] or None: per-request slot of recurrent state (linear-attention layers).
+- `recurrent_states`: one tuple of state pools per linear-attention layer, each `[slots, ...]`
+  (layers/gdn.py: conv state and recurrent state), indexed by `state_slots`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class ForwardContext:
     page_size: int
     kv_caches: list[torch.Tensor] = field(default_factory=list)
     state_slots: torch.Tensor | None = None
+    recurrent_states: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     # Host copies for Python-side loops in the torch reference kernels (avoid device syncs).
     cu_seqlens_q_list: list[int] = field(default_factory=list)
     seq_lens_list: list[int] = field(default_factory=list)

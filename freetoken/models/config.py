@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from freetoken.formats.errors import FormatError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "minimax_m2", "gemma4")
+if TYPE_CHECKING:
+    from freetoken.models.config_qwen3_5 import LinearAttnConfig
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "minimax_m2", "gemma4",
+             "qwen3_5", "qwen3_5_moe")
 # HF model_type -> our arch name.
 HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                   "gemma3": "gemma3", "qwen3_moe": "qwen3_moe",
-                  "minimax_m2": "minimax_m2", "gemma4_text": "gemma4"}
+                  "minimax_m2": "minimax_m2", "gemma4_text": "gemma4",
+                  "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 # GGUF general.architecture -> our arch name (where they differ).
-GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2"}
+GGUF_ARCHS = {"qwen3moe": "qwen3_moe", "minimax-m2": "minimax_m2", "qwen35": "qwen3_5",
+              "qwen35moe": "qwen3_5_moe"}
 # Gemma 3 hyperparameters that llama.cpp hard-codes (not in the GGUF): FACTS.md.
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10000.0
@@ -62,6 +69,8 @@ class ModelConfig:
     global_head_dim: int | None = None
     rope_partial_full: float | None = None
     attention_k_eq_v: bool = False
+    # qwen3.5: gated delta-net layers (layer_types "linear"), see config_qwen3_5.py
+    linear: LinearAttnConfig | None = None
 
     def is_moe_layer(self, layer: int) -> bool:
         step = max(1, self.decoder_sparse_step)
@@ -123,7 +132,8 @@ def from_hf(config: dict, path=None) -> ModelConfig:
     gemma = arch == "gemma3"
     cfg = ModelConfig(
         arch=arch, vocab_size=int(c["vocab_size"]), hidden_size=hidden,
-        intermediate_size=int(c["intermediate_size"]), num_layers=n, num_heads=heads,
+        intermediate_size=int(c.get("intermediate_size") or 0) if arch == "qwen3_5_moe"
+        else int(c["intermediate_size"]), num_layers=n, num_heads=heads,
         num_kv_heads=int(c.get("num_key_value_heads") or heads), head_dim=head_dim,
         max_position=int(c.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
@@ -141,6 +151,10 @@ def from_hf(config: dict, path=None) -> ModelConfig:
         rotary_dim=_hf_rotary_dim(c, head_dim),
         **_hf_moe(c),
     )
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        from freetoken.models.config_qwen3_5 import qwen3_5_hf
+
+        return qwen3_5_hf(c, cfg)
     return _gemma4(c, cfg, partial) if arch == "gemma4" else cfg
 
 
@@ -234,7 +248,8 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
     eos = md.get("tokenizer.ggml.eos_token_id")
     cfg = ModelConfig(
         arch=GGUF_ARCHS.get(a, a), vocab_size=vocab_size, hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")), num_layers=n, num_heads=heads,
+        intermediate_size=int(get("feed_forward_length", 0 if a == "qwen35moe" else None)),
+        num_layers=n, num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
         max_position=int(get("context_length")),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
@@ -253,6 +268,10 @@ def from_gguf(md: dict, vocab_size: int, path=None) -> ModelConfig:
             md[f"{a}.rope.dimension_count"]),
         **_gguf_moe(md, a),
     )
+    if a in ("qwen35", "qwen35moe"):
+        from freetoken.models.config_qwen3_5 import qwen3_5_gguf
+
+        return qwen3_5_gguf(md, a, cfg, path)
     return _gguf_gemma4(md, cfg) if a == "gemma4" else cfg
 
 

@@ -15,6 +15,8 @@ _CLASSES = {
     "qwen3_moe": ("freetoken.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "minimax_m2": ("freetoken.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "gemma4": ("freetoken.models.gemma4", "Gemma4ForCausalLM"),
+    "qwen3_5": ("freetoken.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("freetoken.models.qwen3_5", "Qwen3_5ForCausalLM"),
 }
 assert set(_CLASSES) == set(SUPPORTED)
 

@@ -73,9 +73,24 @@ def prefill_logits(model, token_lists: list[list[int]], page_size: int = 16) -> 
     kv = SimpleKV(model.kv_cache_shapes(), pages_needed([len(t) for t in token_lists], page_size),
                   page_size, dtype=_model_dtype(model), device=dev)
     ctx = kv.context([(i, len(t)) for i, t in enumerate(token_lists)], all_logits=True)
+    attach_states(model, ctx, len(token_lists))
     ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64, device=dev)
     logits = model.compute_logits(model(ids, ctx)[ctx.logits_indices])
     return list(logits.split([len(t) for t in token_lists]))
+
+
+def attach_states(model, ctx: ForwardContext, num_seqs: int, states=None) -> list:
+    """Recurrent-state pools for hybrid models (qwen3.5): sequence i uses slot i. Pass the
+    returned pools back in on later steps of the same sequences."""
+    shapes = getattr(model, "state_shapes", lambda: [])()
+    if shapes:
+        from freetoken.layers.gdn import alloc_states
+
+        dev = model.model.norm.weight.device
+        states = states if states is not None else alloc_states(shapes, num_seqs, dev)
+        ctx.recurrent_states = states
+        ctx.state_slots = torch.arange(num_seqs, device=dev)
+    return states or []
 
 
 def _model_dtype(model) -> torch.dtype:
