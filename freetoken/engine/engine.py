@@ -22,7 +22,7 @@ from freetoken.engine import postprocess, sampler
 from freetoken.engine.kv_cache import PagePool, make_prefix_cache
 from freetoken.engine.outputs import RequestOutput
 from freetoken.engine.request import Request, Status
-from freetoken.engine.runner import ModelRunner, kv_bytes_per_page
+from freetoken.engine.runner import ModelRunner, has_recurrent_state, kv_bytes_per_page
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -68,13 +68,17 @@ class Engine:
             config.max_model_len or model.config.max_position, num_pages * config.page_size
         )
         self.pool = PagePool(num_pages, config.page_size)
+        # Hybrid models: reusing a cached KV prefix would also need the recurrent state at that
+        # prefix, which is not saved, so their prefix reuse is off.
+        hybrid = has_recurrent_state(model)
         self.scheduler = Scheduler(
             self.pool,
-            make_prefix_cache(config.cache_type, self.pool),
+            make_prefix_cache("naive" if hybrid else config.cache_type, self.pool),
             config.max_running_requests,
             config.max_prefill_tokens,
         )
-        self.runner = ModelRunner(model, num_pages, config.page_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, num_pages, config.page_size, self.dtype, self.device,
+                                  config.max_running_requests if hybrid else 0)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._lock = threading.RLock()
@@ -134,6 +138,7 @@ class Engine:
             if req is None or req.finished:
                 return
             self.scheduler.finish(req)
+            self.runner.release_state(req)
             req.finish_reason = "abort"
             self._aborted.append(req)
 
@@ -144,6 +149,8 @@ class Engine:
             outputs = [postprocess.make_output(r) for r in self._aborted]
             self._aborted.clear()
             batch = self.scheduler.schedule()
+            for req in batch.preempted:  # recomputed from position 0 when it runs again
+                self.runner.release_state(req)
             if not batch:
                 return outputs
             logits = self._forward(batch)
@@ -206,6 +213,7 @@ class Engine:
 
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
+        self.runner.release_state(req)
         self._requests.pop(req.request_id, None)
 
     # ---- state ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class Request:
     status: Status = Status.WAITING
     pages: list[int] = field(default_factory=list)  # KV page ids, in position order
     num_computed: int = 0  # tokens whose KV is in `pages`
+    state_slot: int | None = None  # recurrent-state slot (hybrid models) while running
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     text: str = ""  # output text so far (stop strings cut off)
     emitted_chars: int = 0  # how much of `text` has been sent out

@@ -18,9 +18,15 @@ def kv_bytes_per_page(model, page_size: int, dtype: torch.dtype) -> int:
     return sum(2 * page_size * h * d * elem for h, d in model.kv_cache_shapes())
 
 
+def has_recurrent_state(model) -> bool:
+    """Hybrid models (qwen3.5) keep per-request recurrent state besides the KV pages."""
+    return bool(getattr(model, "state_shapes", lambda: [])())
+
+
 class ModelRunner:
     def __init__(
-        self, model, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+        self, model, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         self.page_size = page_size
@@ -30,6 +36,29 @@ class ModelRunner:
             torch.zeros(2, num_pages, page_size, h, d, dtype=dtype, device=device)
             for h, d in model.kv_cache_shapes()
         ]
+        # Recurrent-state pools (one slot per running request) for linear-attention layers.
+        self.states: list = []
+        self.free_slots: list[int] = []
+        if has_recurrent_state(model):
+            from freetoken.layers.gdn import alloc_states
+
+            self.states = alloc_states(model.state_shapes(), num_state_slots, device)
+            self.free_slots = list(range(num_state_slots - 1, -1, -1))
+
+    def release_state(self, req) -> None:
+        """Give a request's state slot back (finished, aborted or preempted; idempotent)."""
+        if req.state_slot is not None:
+            self.free_slots.append(req.state_slot)
+            req.state_slot = None
+
+    def _state_slots(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        if not self.states:
+            return None
+        for req in batch.requests:
+            if req.state_slot is None:  # NOTE: slots = max running requests, so one is free
+                req.state_slot = self.free_slots.pop()
+        return torch.tensor([r.state_slot for r in batch.requests], dtype=torch.long,
+                            device=self.device)
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -69,5 +98,7 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             cu_seqlens_q_list=cu,
             seq_lens_list=seq_lens,
+            state_slots=self._state_slots(batch),
+            recurrent_states=self.states,
         )
         return ctx, torch.tensor(ids, dtype=torch.long, device=dev)

@@ -22,7 +22,7 @@ import util
 
 ARCHS = ("qwen3_5", "qwen3_5_moe")
 SEED = 5151
-LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+LAYER_TYPES = ["linear_attention", "full_attention"] * 2  # full_attention_interval 2
 _COMMON = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                vocab_size=49152, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
                eos_token_id=2, pad_token_id=2, num_hidden_layers=4, layer_types=LAYER_TYPES,
@@ -79,7 +79,15 @@ def hf_dir(arch: str) -> Path:
     out = util.test_cache() / f"tiny-{arch}-v1"
     if (out / "config.json").exists():
         return out
-    return tmoe._save(make_hf_model(arch), out)
+    import json
+
+    tmoe._save(make_hf_model(arch), out)
+    # Real qwen3.5 configs carry the interval beside layer_types; transformers drops it, and
+    # the converter (which writes only the interval) would default to 4.
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["full_attention_interval"] = 2
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
 
 
 # transformers 5 forces Qwen's own tokenizer class on qwen3.5 directories, so the converter
