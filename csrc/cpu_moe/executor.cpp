@@ -188,16 +188,18 @@ void Executor::dot(const Bank& w, int64_t e, const float* x, int64_t T, float* o
   auto** ptr = reinterpret_cast<const uint8_t**>(ptrs_.get(T * sizeof(void*)));
   for (int64_t t = 0; t < T; ++t) ptr[t] = xq + t * xs;
   const DotFn dot = k_->fmt[static_cast<int>(w.fmt)].dot;
-  constexpr int64_t rb = 64;
-  const int64_t nblk = (w.N + rb - 1) / rb;
-  auto item = [&](int64_t b) {
-    const int64_t r0 = b * rb, nr = std::min(rb, w.N - r0);
-    dot(w, e, r0, nr, ptr, static_cast<int>(T), out + r0, w.N);
+  // One contiguous run of rows (and of their scales) per thread: each thread reads one long
+  // stream instead of 64-row blocks interleaved with the others'. Run i is rows
+  // [N * i / n, N * (i + 1) / n) rounded to 4 rows (a row's result does not depend on it).
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, pool_.size()));
+  auto run = [&](int64_t i) {
+    const int64_t r0 = w.N * i / n / 4 * 4, r1 = i + 1 == n ? w.N : w.N * (i + 1) / n / 4 * 4;
+    if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N);
   };
-  if (threads <= 1) {
-    for (int64_t b = 0; b < nblk; ++b) item(b);
+  if (n == 1) {
+    run(0);
   } else {
-    pool_.run(nblk, item);
+    pool_.run(n, run);
   }
 }
 

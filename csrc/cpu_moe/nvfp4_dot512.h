@@ -86,7 +86,12 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   const int64_t npair = K / kChunkK / 2;
   __m512i w[R];
   __m512 lo[R], hi[R];
+  const int64_t pf = prefetch_bytes();
   for (int64_t c = 0; c < 2 * npair; c += 2) {
+    if (pf) {  // the linear cursor of the R rows (R x 128 B codes, R x 16 B scales a step)
+      prefetch_lines(wrow + c * 64 * R + pf, 2 * R);
+      prefetch_lines(wsc + c * 8 * R + pf / 8, 1);
+    }
     for (int r = 0; r < R; ++r) {
       const auto* sp = reinterpret_cast<const __m128i*>(wsc + r * srows + c * 8);
       decode_scales16<kVbmi>(_mm_loadu_si128(sp), lo[r], hi[r]);

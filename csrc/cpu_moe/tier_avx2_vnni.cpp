@@ -145,7 +145,12 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm256_setzero_ps();
   const int64_t nblocks = K / 16, nchunk = nblocks / 8;
   __m256 lo[R], hi[R];
+  const int64_t pf = prefetch_bytes();
   for (int64_t c = 0; c < nchunk; ++c) {
+    if (pf) {  // the linear cursor of the R rows (R x 64 B codes, R x 8 B scales a chunk)
+      prefetch_lines(wrow + c * 64 * R + pf, R);
+      prefetch_lines(wsc + c * 8 * R + pf / 8, 1);
+    }
     for (int r = 0; r < R; ++r) decode_scales8(wsc + r * srows + c * 8, lo[r], hi[r]);
     half_rows<R, NT>(wrow + c * 64, rows, lo, a, c * kChunkBytes, facc);
     half_rows<R, NT>(wrow + c * 64 + 32, rows, hi, a, c * kChunkBytes + 32, facc);
