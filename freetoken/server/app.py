@@ -138,8 +138,9 @@ def build_app(state: ServerState, *, api_key: str | None = None,
         if req.messages is not None:
             msgs = [template_message(i, m) for i, m in enumerate(req.messages)]
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            extra = {"continue_final_message": True} if req.continue_final_message else {}
             _, ids = await render_chat(state, msgs, tools,
-                                       add_generation_prompt=req.add_generation_prompt)
+                                       add_generation_prompt=req.add_generation_prompt, **extra)
         else:
             ids = await encode_text(state, req.prompt, req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

@@ -200,6 +200,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[Tool] | None = None
 
     @model_validator(mode="after")

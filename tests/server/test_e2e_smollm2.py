@@ -29,7 +29,9 @@ GREEDY_BODY = {"temperature": 0}  # anthropic>=2 dropped the argument
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = ServeProcess("--api-key", KEY, "--max-model-len", "2048",
+    # --reasoning-parser think: SmolLM2 does not think on its own (its template has no <think>);
+    # test_reasoning_split opens the think block in the prompt to exercise the parser.
+    s = ServeProcess("--api-key", KEY, "--max-model-len", "2048", "--reasoning-parser", "think",
                      log_dir=tmp_path_factory.mktemp("serve")).wait()
     yield s
     s.stop()
@@ -95,6 +97,30 @@ def test_auth_required(server):
     r = httpx.get(server.base + "/v1/models", headers={"x-api-key": KEY})
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "smollm2-135m-instruct"
     assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_reasoning_split_on_the_streamed_path(server, oai):
+    """The assistant turn starts with `<think>` (continue_final_message), so the model's output
+    begins inside a think block. The split must match the raw completion of the same tokens."""
+    msgs = [{"role": "user", "content": "Is 17 a prime number? Think first."},
+            {"role": "assistant", "content": "<think>\n"}]
+    kw = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = _post(server, "/tokenize", json.dumps({"messages": msgs, **kw})).json()["tokens"]
+    raw = oai.completions.create(model="smollm2-135m-instruct", prompt=ids,
+                                 **GREEDY).choices[0].text
+    reasoning, _, content = raw.partition("</think>")
+    r = oai.chat.completions.create(model="smollm2-135m-instruct", messages=msgs,
+                                    extra_body=kw, **GREEDY)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == reasoning.lstrip("\n")
+    assert (msg.content or "") == content.lstrip("\n")
+    chunks = list(oai.chat.completions.create(model="smollm2-135m-instruct", messages=msgs,
+                                              extra_body=kw, stream=True, **GREEDY))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (
+        msg.reasoning_content)
+    assert "".join(d.content or "" for d in deltas) == (msg.content or "")
+    assert not any("think>" in (d.content or "") for d in deltas)
 
 
 PROMPTS = ["Name a color.", "What is 2+2?", "Write one word about the sea, please, now.",
