@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-import helpers
+import engine_helpers as helpers
 import pytest
 
 from freetoken import SamplingParams

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 import gguf
-import helpers
+import engine_helpers as helpers
 import pytest
 
 from freetoken import LLM, SamplingParams, assets
