@@ -14,6 +14,8 @@ import openai
 import pytest
 from helpers import ServeProcess
 
+pytestmark = pytest.mark.slow  # each token costs a full dequantization on the CPU path
+
 MODEL = "qwen2.5-coder-0.5b-instruct"
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather",

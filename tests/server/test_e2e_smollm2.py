@@ -21,6 +21,8 @@ import pytest
 import util
 from helpers import ServeProcess, metric
 
+pytestmark = pytest.mark.slow  # each token costs a full dequantization on the CPU path
+
 KEY = "test-key-123"
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 8}
