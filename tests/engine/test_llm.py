@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-import gguf
 import engine_helpers as helpers
+import gguf
 import pytest
 
 from freetoken import LLM, SamplingParams, assets
