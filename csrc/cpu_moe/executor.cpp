@@ -32,6 +32,8 @@ static inline float glu(float g, float u, Act act) {
   return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g))) * u;
 }
 
+constexpr int64_t kReduceRows = 128;  // output rows per reduction block
+
 static std::atomic<uint64_t> g_sink{0};  // keeps streaming reads alive
 
 using Clock = std::chrono::steady_clock;
@@ -57,71 +59,109 @@ void Executor::prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, 
   pool_.run(T, [&](int64_t t) { prep(x + t * K, K, out + t * stride); });
 }
 
-// Rows per work item: about 8 items per thread over the whole call, a multiple of 8 rows.
-static int64_t rows_per_item(int64_t rows, int threads) {
-  const int64_t want = std::max<int64_t>(1, rows / (static_cast<int64_t>(threads) * 8));
-  return std::min<int64_t>(128, std::max<int64_t>(8, (want + 7) / 8 * 8));
+// Work units of a pool run over the rows of all active experts, concatenated expert-major (the
+// experts ascending, so memory ascending): unit u is the rows [total * u / n, total * (u + 1) / n)
+// cut at multiples of 4, possibly spanning an expert boundary. Every unit is a long contiguous
+// run of rows and their scales (one code stream and one scale stream per expert it touches)
+// and all units have the same bytes (the experts of a bank have equal rows), so the threads
+// finish together. kUnitsPerThread > 1 leaves a little slack for a thread that starts late.
+constexpr int64_t kUnitsPerThread = 2;
+
+struct Split {
+  int64_t total, n;  // rows, units
+  int64_t begin(int64_t u) const { return u == n ? total : total * u / n / 4 * 4; }
+};
+
+static Split split_rows(int64_t total, int threads) {
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads * kUnitsPerThread, total / 4));
+  return Split{total, n};
 }
 
-// Gate and up, then GLU and the down input, in one pool run (one barrier). Items are (expert,
-// block of the 2I rows), expert-major; the thread that finishes an expert's last block applies
-// the GLU to h[p][:I] for that expert's pairs and prepares aq[p] (the same work whichever
-// thread it is, so results do not depend on the thread count).
+// Calls fn(ei, r0, r1) for each expert piece of unit u (rows r0..r1-1 of active expert ei).
+template <typename Fn>
+static void for_each_piece(const Split& sp, int64_t u, int64_t rows, Fn&& fn) {
+  const int64_t g0 = sp.begin(u), g1 = sp.begin(u + 1);
+  for (int64_t ei = g0 / rows; ei * rows < g1; ++ei) {
+    const int64_t r0 = std::max(g0, ei * rows) - ei * rows;
+    const int64_t r1 = std::min(g1, (ei + 1) * rows) - ei * rows;
+    if (r1 > r0) fn(ei, r0, r1);
+  }
+}
+
+// Gate and up, then GLU and the down input, in one pool run (one barrier). Units are runs of
+// the experts' 2I rows (split_rows); the thread whose rows complete an expert applies the GLU
+// to h[p][:I] for that expert's pairs and prepares aq[p] (the same work whichever thread it
+// is, so results do not depend on the thread count).
 void Executor::gate_up_glu(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
                            float* h, uint8_t* aq, int64_t as) {
-  const int64_t I = a.w13.N / 2, nact = static_cast<int64_t>(rt.experts.size());
-  const int64_t rb = rows_per_item(a.w13.N * nact, pool_.size());
-  const int64_t nblk = (a.w13.N + rb - 1) / rb;
+  const int64_t N = a.w13.N, I = N / 2, nact = static_cast<int64_t>(rt.experts.size());
+  const Split sp = split_rows(N * nact, pool_.size());
   const DotFn dot = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
   const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[nact]);
   for (int64_t i = 0; i < nact; ++i) done[i].store(0, std::memory_order_relaxed);
-  pool_.run(nact * nblk, [&](int64_t it) {
-    const int64_t ei = it / nblk, r0 = (it % nblk) * rb, nr = std::min(rb, a.w13.N - r0);
-    const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
-    dot(a.w13, e, r0, nr, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0, 2 * I);
-    if (done[ei].fetch_add(1, std::memory_order_acq_rel) != nblk - 1) return;
-    const float* s = a.scales + e * 4;
-    for (int64_t p = p0; p < p1; ++p) {
-      float* g = h + p * 2 * I;
-      for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
-      prep2(g, I, aq + p * as);
-    }
+  pool_.run(sp.n, [&](int64_t u) {
+    for_each_piece(sp, u, N, [&](int64_t ei, int64_t r0, int64_t r1) {
+      const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
+      dot(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
+          2 * I);
+      if (done[ei].fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N) return;
+      const float* s = a.scales + e * 4;
+      for (int64_t p = p0; p < p1; ++p) {
+        float* g = h + p * 2 * I;
+        for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
+        prep2(g, I, aq + p * as);
+      }
+    });
   });
 }
 
-// Down and the weighted sum over each token's k experts, in one pool run. Items are blocks of
-// the H output rows; each runs every active expert's rows of its block into d, then
-// y[t, rows] = sum_j route[t, j] * d[p(t, j), rows] * s_down in j order (fixed order).
+// y[t, c0:c1] = sum_j route[t, j] * d[p(t, j), c0:c1] * s_down, in j order (fixed order).
+static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, const float* d,
+                        int64_t c0, int64_t c1) {
+  const int64_t H = a.w2.N;
+  for (int64_t t = 0; t < a.T; ++t) {
+    float acc[kReduceRows] = {};
+    for (int64_t j = 0; j < a.k; ++j) {
+      const int64_t i = t * a.k + j;
+      const float sd = a.scales[a.ids[i] * 4 + 2], r = a.route[i];
+      const float* dp = d + pidx[i] * H;
+      for (int64_t c = c0; c < c1; ++c) acc[c - c0] += r * (dp[c] * sd);
+    }
+    if (a.out_bf16) {
+      auto* o = static_cast<uint16_t*>(a.out) + t * H;
+      for (int64_t c = c0; c < c1; ++c) o[c] = f32_to_bf16(acc[c - c0]);
+    } else {
+      auto* o = static_cast<float*>(a.out) + t * H;
+      for (int64_t c = c0; c < c1; ++c) o[c] = acc[c - c0];
+    }
+  }
+}
+
+// Down and the weighted sum over each token's k experts, in one pool run. Units are runs of
+// the experts' H rows (split_rows), d[p, rows] = aq[p] W_d[e, rows]^T; output block b (rows
+// b * kReduceRows ...) is reduced by the thread whose rows complete it for every expert (a
+// row count per block), so the reduction still sees every d it needs and sums in j order.
 void Executor::down_reduce(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
                            float* d) {
   const int64_t H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
-  const int64_t rb = rows_per_item(H, pool_.size());  // an item runs all nact experts
-  const int64_t nblk = (H + rb - 1) / rb;
+  const int64_t nblk = (H + kReduceRows - 1) / kReduceRows;
+  const Split sp = split_rows(H * nact, pool_.size());
   const DotFn dot = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
-  pool_.run(nblk, [&](int64_t it) {
-    const int64_t c0 = it * rb, c1 = std::min(H, c0 + rb);
-    for (int64_t ei = 0; ei < nact; ++ei) {
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[nblk]);
+  for (int64_t i = 0; i < nblk; ++i) done[i].store(0, std::memory_order_relaxed);
+  pool_.run(sp.n, [&](int64_t u) {
+    for_each_piece(sp, u, H, [&](int64_t ei, int64_t r0, int64_t r1) {
       const int64_t p0 = rt.p0[ei];
-      dot(a.w2, rt.experts[ei], c0, c1 - c0, acts + p0, static_cast<int>(rt.p0[ei + 1] - p0),
-          d + p0 * H + c0, H);
-    }
-    for (int64_t t = 0; t < a.T; ++t) {
-      float acc[128] = {};  // rb <= 128
-      for (int64_t j = 0; j < a.k; ++j) {
-        const int64_t i = t * a.k + j;
-        const float sd = a.scales[a.ids[i] * 4 + 2], r = a.route[i];
-        const float* dp = d + rt.pidx[i] * H;
-        for (int64_t c = c0; c < c1; ++c) acc[c - c0] += r * (dp[c] * sd);
+      dot(a.w2, rt.experts[ei], r0, r1 - r0, acts + p0, static_cast<int>(rt.p0[ei + 1] - p0),
+          d + p0 * H + r0, H);
+      for (int64_t b = r0 / kReduceRows; b * kReduceRows < r1; ++b) {
+        const int64_t c0 = b * kReduceRows, c1 = std::min(H, c0 + kReduceRows);
+        const int64_t got = std::min(r1, c1) - std::max(r0, c0);
+        if (done[b].fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
+          reduce_rows(a, rt.pidx, d, c0, c1);
       }
-      if (a.out_bf16) {
-        auto* o = static_cast<uint16_t*>(a.out) + t * H;
-        for (int64_t c = c0; c < c1; ++c) o[c] = f32_to_bf16(acc[c - c0]);
-      } else {
-        auto* o = static_cast<float*>(a.out) + t * H;
-        for (int64_t c = c0; c < c1; ++c) o[c] = acc[c - c0];
-      }
-    }
+    });
   });
 }
 
