@@ -10,6 +10,8 @@ attn_v in Q6_K next to a Q4_K attn_q) stay separate and their outputs are concat
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -93,6 +95,9 @@ class Linear(nn.Module):
     def load(self, part: str, qw: QuantWeight, bias: torch.Tensor | None = None) -> None:
         """Take one part's weight (and bias); shapes are checked against the config."""
         want = (self.parts[part], self.in_features)
+        if want[0] == 1 and tuple(qw.shape) == want[1:]:  # llama.cpp's quantizer writes a
+            qw = replace(qw, data=qw.data.reshape(want) if qw.is_float else qw.data,
+                         shape=want)  # [1, n] matrix 1-D (ffn_gate_inp_shexp), as it reads it
         if tuple(qw.shape) != want:
             raise FormatError(f"shape {list(qw.shape)}, expected {list(want)}", tensor=qw.source)
         if bias is not None and tuple(bias.shape) != (want[0],):

@@ -265,7 +265,7 @@ def _gguf_tensors(gf) -> dict[str, torch.Tensor]:
     return out
 
 
-def gguf_reference(arch: str, path: Path):
+def gguf_reference(arch: str, path: Path, **over):
     """transformers' model of `arch` (config from hf_config) holding the GGUF's dequantized
     weights: the "dequantize, then float matmul" truth for a converted file. transformers' own
     GGUF loader misreads qwen3moe's expert width, so the weights go in by gguf-py's name map."""
@@ -273,7 +273,7 @@ def gguf_reference(arch: str, path: Path):
 
     from freetoken.formats.gguf import GGUFFile
 
-    ref = make_hf_model(arch)
+    ref = make_hf_model(arch, **over)  # over: config overrides of the file's model
     gf = GGUFFile(path)
     w = _gguf_tensors(gf)
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gf.arch]

@@ -156,14 +156,14 @@ def _undo_converter(name: str, t: torch.Tensor, cfg) -> torch.Tensor:
     return t
 
 
-def gguf_reference(arch: str, path: Path):
+def gguf_reference(arch: str, path: Path, **over):
     """transformers' model of `arch` holding the GGUF's weights as gguf-py's numpy
     `gguf.quants` dequantizes them, with the converter's transforms undone by hand."""
     import gguf
 
     from freetoken.formats.gguf import GGUFFile
 
-    ref = make_hf_model(arch)
+    ref = make_hf_model(arch, **over)  # over: config overrides of the file's model
     gf = GGUFFile(path)
     w = tmoe._gguf_tensors(gf)
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gf.arch]
@@ -180,6 +180,8 @@ def gguf_reference(arch: str, path: Path):
 
     sd = {}
     for k, v in ref.state_dict().items():
+        if k == "lm_head.weight" and ref.config.tie_word_embeddings:
+            continue  # tied: transformers shares the embedding table
         if k.endswith("experts.gate_up_proj"):
             p = k.removesuffix(".gate_up_proj")
             t = torch.cat([get(p + ".gate_proj"), get(p + ".up_proj")], dim=1)
@@ -187,7 +189,8 @@ def gguf_reference(arch: str, path: Path):
             t = get(k)
         sd[k] = _undo_converter(k, t, ref.config).reshape(v.shape)
     assert not w, f"unused GGUF tensors {sorted(w)}"
-    ref.load_state_dict(sd)
+    missing = ref.load_state_dict(sd, strict=False).missing_keys
+    assert set(missing) <= {"lm_head.weight"}, missing
     return ref.eval()
 
 
