@@ -65,7 +65,7 @@ void Executor::prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, 
 // run of rows and their scales (one code stream and one scale stream per expert it touches)
 // and all units have the same bytes (the experts of a bank have equal rows), so the threads
 // finish together. kUnitsPerThread > 1 leaves a little slack for a thread that starts late.
-constexpr int64_t kUnitsPerThread = 2;
+constexpr int64_t kUnitsPerThread = 8;
 
 struct Split {
   int64_t total, n;  // rows, units
