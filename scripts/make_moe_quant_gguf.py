@@ -100,17 +100,23 @@ def _hf_dir(arch: str) -> Path:
 def bf16_gguf(arch: str) -> Path:
     """llama.cpp's converter on the tiny model, BF16, cached beside it."""
     import tiny_moe
-    import tiny_qwen3_5
-    import util
 
     src = _hf_dir(arch)
     if arch != "qwen3_5_moe":
         return tiny_moe.gguf_path(arch, "bf16", src=src)
-    out = src.with_name(f"{src.name}-bf16.gguf")
-    if not out.exists():  # as tiny_qwen3_5.gguf_path, from our directory
+    return _convert(src, "bf16")
+
+
+def _convert(src: Path, outtype: str) -> Path:
+    """As tiny_qwen3_5.gguf_path, from our directory (qwen3.5's converter patch, no MTP)."""
+    import tiny_qwen3_5
+    import util
+
+    out = src.with_name(f"{src.name}-{outtype}.gguf")
+    if not out.exists():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         cmd = [str(util.CONVERTER.parent / "python"), "-c", tiny_qwen3_5._PATCH,
-               str(util.CONVERTER), str(src), "--outfile", str(tmp), "--outtype", "bf16",
+               str(util.CONVERTER), str(src), "--outfile", str(tmp), "--outtype", outtype,
                "--no-mtp"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -149,14 +155,45 @@ def write_golden(arch: str) -> None:
     golden_file(arch).write_text(json.dumps(data))
 
 
+def f32_check() -> None:
+    """Not a golden: llama.cpp vs FreeToken, teacher-forced, on the F32 conversion of each
+    model (too large to commit), to separate architecture from quantization differences."""
+    import tiny_moe
+    from llama_cpp import Llama
+    from make_goldens_llamacpp import PROMPTS, golden
+    from test_real_models import compare
+
+    from freetoken.models import load_model
+    from freetoken.models.testing import prefill_logits
+
+    for arch in MODELS:
+        if arch != "qwen3_5_moe":
+            path = tiny_moe.gguf_path(arch, "f32", src=_hf_dir(arch))
+        else:
+            path = _convert(_hf_dir(arch), "f32")
+        llm = Llama(str(path), n_ctx=256, n_threads=2, logits_all=True, verbose=False, seed=0)
+        ps = [golden(llm, p) for p in PROMPTS]
+        model, _ = load_model(path, show_progress=False)
+        seqs = [p["prompt_ids"] + p["greedy"] for p in ps]
+        rs = [compare(lg, p) for p, lg in zip(ps, prefill_logits(model, seqs))]
+        print(f"{arch} f32: max |logit diff| {max(r['max_diff'] for r in rs):.4f}, top-1 "
+              f"{sum(r['agree'] for r in rs)}/{sum(r['steps'] for r in rs)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", nargs="*", default=list(MODELS))
     ap.add_argument("--no-golden", action="store_true", help="only make the GGUFs")
+    ap.add_argument("--golden-only", action="store_true", help="goldens of the existing GGUFs")
+    ap.add_argument("--f32-check", action="store_true", help="only run f32_check")
     args = ap.parse_args()
+    if args.f32_check:
+        return f32_check()
     for arch in args.archs:
-        quantize(bf16_gguf(arch), gguf_file(arch))
-        print(f"{arch}: {gguf_file(arch).name} {gguf_file(arch).stat().st_size / 2**20:.2f} MiB")
+        if not args.golden_only:
+            quantize(bf16_gguf(arch), gguf_file(arch))
+            size = gguf_file(arch).stat().st_size / 2**20
+            print(f"{arch}: {gguf_file(arch).name} {size:.2f} MiB")
         if not args.no_golden:
             write_golden(arch)
             print(f"{arch}: wrote {golden_file(arch).name}")
