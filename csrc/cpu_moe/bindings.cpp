@@ -74,8 +74,8 @@ NB_MODULE(_cpu_moe, m) {
           nb::call_guard<nb::gil_scoped_release>())
       .def(
           "time_stream",
-          [](Executor& ex, uintptr_t p, int64_t n, int64_t iters, int threads) {
-            return ex.time_stream(ptr<const uint8_t>(p), n, iters, threads);
+          [](Executor& ex, uintptr_t p, int64_t n, int64_t iters, int threads, int64_t dist) {
+            return ex.time_stream(ptr<const uint8_t>(p), n, iters, threads, dist);
           },
           nb::call_guard<nb::gil_scoped_release>())
       .def("prep", [](const Executor& ex, int fmt, uintptr_t x, int64_t K) {

@@ -56,7 +56,8 @@ struct Kernels {
   const char* name = "scalar";
   FormatKernels fmt[kNumFmt];
   // Reads n bytes (n % 256 == 0) with the widest loads the tier has; returns a checksum.
-  uint64_t (*stream_read)(const uint8_t* p, int64_t n) = nullptr;
+  // Streaming read of n bytes, software-prefetching `dist` bytes ahead (0 = none).
+  uint64_t (*stream_read)(const uint8_t* p, int64_t n, int64_t dist) = nullptr;
 };
 
 // Software prefetch of the NVFP4 W4A8 dots: bytes of weight codes ahead of the read cursor

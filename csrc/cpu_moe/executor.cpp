@@ -262,13 +262,14 @@ double Executor::time_dot(const Bank& w, int64_t e, const float* x, int64_t iter
   return seconds_since(t0);
 }
 
-double Executor::time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads) {
+double Executor::time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads,
+                             int64_t dist) {
   threads = std::max(1, std::min(threads, pool_.size()));
   const int64_t slice = n / threads / 256 * 256;
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < iters; ++i)
     pool_.run_per_thread([&](int tid) {
-      if (tid < threads) g_sink.fetch_xor(k_->stream_read(p + tid * slice, slice));
+      if (tid < threads) g_sink.fetch_xor(k_->stream_read(p + tid * slice, slice, dist));
     });
   return seconds_since(t0);
 }

@@ -61,7 +61,7 @@ class Executor {
   // Seconds for `iters` dots of one token over all rows of expert e.
   double time_dot(const Bank& w, int64_t e, const float* x, int64_t iters, int threads);
   // Seconds for `iters` streaming reads of n bytes (64-aligned) split over `threads` threads.
-  double time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads);
+  double time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads, int64_t dist);
 
  private:
   void prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, uint8_t* out,
