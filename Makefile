@@ -11,7 +11,7 @@ run: setup
 
 test: setup
 	$(VENV)/bin/ruff check freetoken tests benchmarks scripts
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check freetoken tests benchmarks scripts
