@@ -56,7 +56,7 @@ def test_named_tool_choice_forces_the_call(oai):
 
 def test_openai_tool_call_round_trip(oai):
     r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, temperature=0,
-                                    max_tokens=48)
+                                    max_tokens=24)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message
     call = choice.message.tool_calls[0]
@@ -68,14 +68,14 @@ def test_openai_tool_call_round_trip(oai):
         {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "sunny"}'},
     ]
     r2 = oai.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS, temperature=0,
-                                     max_tokens=24)
+                                     max_tokens=12)
     assert r2.choices[0].message.content and not r2.choices[0].message.tool_calls
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result went in
 
 
 def test_streamed_tool_call_matches(oai):
     chunks = list(oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                              temperature=0, max_tokens=48, stream=True))
+                                              temperature=0, max_tokens=24, stream=True))
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert [tc.function.name for tc in calls] == ["get_weather"]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
@@ -88,13 +88,13 @@ def test_anthropic_tool_use(server):
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     greedy = {"temperature": 0}  # anthropic>=2 clients only send it through extra_body
-    m = client.messages.create(model=MODEL, max_tokens=48, extra_body=greedy, tools=tools,
+    m = client.messages.create(model=MODEL, max_tokens=12, extra_body=greedy, tools=tools,
                                messages=ASK)
     assert m.stop_reason == "tool_use"
     use = next(b for b in m.content if b.type == "tool_use")
     assert use.name == "get_weather" and "paris" in use.input["city"].lower()
     m2 = client.messages.create(
-        model=MODEL, max_tokens=24, extra_body=greedy, tools=tools,
+        model=MODEL, max_tokens=12, extra_body=greedy, tools=tools,
         messages=ASK + [
             {"role": "assistant", "content": [b.model_dump() for b in m.content]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
