@@ -88,7 +88,7 @@ def test_anthropic_tool_use(server):
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
     greedy = {"temperature": 0}  # anthropic>=2 clients only send it through extra_body
-    m = client.messages.create(model=MODEL, max_tokens=12, extra_body=greedy, tools=tools,
+    m = client.messages.create(model=MODEL, max_tokens=24, extra_body=greedy, tools=tools,
                                messages=ASK)
     assert m.stop_reason == "tool_use"
     use = next(b for b in m.content if b.type == "tool_use")
