@@ -10,6 +10,9 @@ For every quantized linear `P` (all 2-D float `P.weight` except the excluded mod
   (modules transformers runs as nn.Linear; fused expert modules get none, which readers accept).
 
 Embeddings, norms, lm_head and MoE routers stay float and are listed in `exclude_modules`.
+Experts that transformers saves fused (gemma4's `P.experts.gate_up_proj` [E, 2I, H], gate rows
+first, and `P.experts.down_proj` [E, H, I]) are written as ModelOpt exports them: one module per
+expert, `P.experts.{e}.{gate,up,down}_proj`.
 The directory gets `hf_quant_config.json` and config.json's `quantization_config` as ModelOpt
 0.3x writes them. llama.cpp's converter needs each quantized input size K to be a multiple of 64.
 
@@ -37,7 +40,7 @@ E4M3_MAX = 448.0
 _BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 # Modules ModelOpt leaves in float: embeddings, the output head, routers, tiny gates.
 DEFAULT_EXCLUDE = ("*embed_tokens", "*embeddings", "lm_head", "*.mlp.gate", "*.router",
-                   "*.mlp.router", "*shared_expert_gate", "*vision*", "*visual*")
+                   "*.router.proj", "*.mlp.router", "*shared_expert_gate", "*vision*", "*visual*")
 # Modules that read the same input; ModelOpt's export gives them one weight_scale_2.
 _SHARED = (r"(.*\.self_attn)\.(q|k|v)_proj", r"(.*\.mlp(?:\.experts\.\d+)?)\.(gate|up)_proj")
 MODELOPT_VERSION = "0.33.0"
@@ -90,7 +93,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scale2: str = "tens
     max_shard_bytes: split into `model-0000i-of-0000n.safetensors` plus an index.
     """
     src, dst = Path(src), Path(dst)
-    ck = HFCheckpoint(src)
+    ck = _UnfusedExperts(HFCheckpoint(src))
     if ck.quant is not None:
         raise ValueError(f"{src} is already quantized ({ck.quant.method})")
     targets, kept = _plan(ck, exclude)
@@ -114,6 +117,54 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, *, scale2: str = "tens
     _write_configs(src, dst, excluded)
     _write_tensors(dst, out, max_shard_bytes)
     return dst
+
+
+_FUSED = re.compile(r"(.*\.experts)\.(gate_up_proj|down_proj)")
+
+
+class _UnfusedExperts:
+    """An HFCheckpoint seen with its fused 3-D expert tensors split per expert (the names
+    ModelOpt writes); every other tensor passes through unchanged."""
+
+    def __init__(self, ck: HFCheckpoint) -> None:
+        self.ck, self.quant = ck, ck.quant
+        self.split: dict[str, tuple[str, int, slice]] = {}  # new name -> (fused, e, rows)
+        names = []
+        for name in ck.tensor_names():
+            m = _FUSED.fullmatch(name)
+            if m is None or len(ck.shape_of(name)) != 3:
+                names.append(name)
+                continue
+            n_exp, rows = ck.shape_of(name)[:2]
+            parts = ((("gate_proj", slice(0, rows // 2)), ("up_proj", slice(rows // 2, rows)))
+                     if m.group(2) == "gate_up_proj" else (("down_proj", slice(0, rows)),))
+            for e in range(n_exp):
+                for part, sl in parts:
+                    new = f"{m.group(1)}.{e}.{part}.weight"
+                    self.split[new] = (name, e, sl)
+                    names.append(new)
+        self.names = names
+
+    def tensor_names(self) -> list[str]:
+        return self.names
+
+    def dtype_of(self, name: str) -> str:
+        return self.ck.dtype_of(self.split[name][0] if name in self.split else name)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        if name not in self.split:
+            return self.ck.shape_of(name)
+        fused, _, rows = self.split[name]
+        return (rows.stop - rows.start, self.ck.shape_of(fused)[2])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.split:
+            return self.ck.tensor(name)
+        fused, e, rows = self.split[name]
+        return self.ck.tensor(fused)[e, rows]
+
+    def close(self) -> None:
+        self.ck.close()
 
 
 def _plan(ck: HFCheckpoint, exclude: tuple[str, ...]) -> tuple[list[str], list[str]]:

@@ -32,7 +32,7 @@ def _gguf(ld, t, names: set[str]) -> None:
     if merged and merged + ".weight" in names:
         keys = [merged, ld.expert_key(t.hf_prefix, mod.part_names[2])]
     else:
-        keys = [ld.expert_key(t.hf_prefix, p) for p in mod.part_names]
+        keys = [_exps_key(ld, t.hf_prefix, p, merged) for p in mod.part_names]
         merged = keys[0].replace("ffn_gate_exps", "ffn_gate_up_exps")
         if merged != keys[0] and merged + ".weight" in names:
             keys = [merged, keys[2]]
@@ -49,6 +49,15 @@ def _gguf(ld, t, names: set[str]) -> None:
         mod.load_merged(*ws)
     else:
         mod.load_parts(*ws)
+
+
+def _exps_key(ld, hf_prefix: str, part: str, merged: str | None) -> str:
+    """`blk.N.ffn_{part}_exps`. gemma4's experts are merged in HF, so gguf-py's map may lack
+    separate gate / up names for it, yet llama.cpp's converter writes them for NVFP4 experts
+    (one ModelOpt module per expert): name them after the merged tensor."""
+    if ld.src.key(f"{hf_prefix}.{part}") is None and merged and part in ("gate_proj", "up_proj"):
+        return merged.replace("ffn_gate_up_exps", f"ffn_{part.removesuffix('_proj')}_exps")
+    return ld.expert_key(hf_prefix, part)
 
 
 def _state_dict(ld, t) -> None:

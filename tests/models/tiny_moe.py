@@ -101,19 +101,21 @@ def hf_dir(arch: str) -> Path:
     return out
 
 
-def nvfp4_dir(arch: str, embed: bool = False) -> Path:
+def nvfp4_dir(arch: str, embed: bool = False, src: Path | None = None) -> Path:
     """A ModelOpt NVFP4 copy of hf_dir(arch) by our quantizer: every matrix and every expert
     gets its own weight_scale_2 = amax / (6 * 448), far from 1, so a dropped scale shows.
-    embed: quantize the token embedding too (ModelOpt leaves it float by default)."""
+    embed: quantize the token embedding too (ModelOpt leaves it float by default).
+    src: another float HF directory (default hf_dir(arch)); the copy goes beside it."""
     from freetoken.formats.modelopt_quantize import DEFAULT_EXCLUDE, quantize_checkpoint
 
-    out = util.test_cache() / f"tiny-moe-{arch}-v1-nvfp4{'-embd' if embed else ''}"
+    src = src or hf_dir(arch)
+    out = src.with_name(f"{src.name}-nvfp4{'-embd' if embed else ''}")
     if (out / "config.json").exists():
         return out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     exclude = tuple(p for p in DEFAULT_EXCLUDE if not (embed and p == "*embed_tokens"))
-    quantize_checkpoint(hf_dir(arch), tmp, scale2="tensor", exclude=exclude)
+    quantize_checkpoint(src, tmp, scale2="tensor", exclude=exclude)
     tmp.rename(out)
     return out
 
@@ -286,7 +288,10 @@ def gguf_reference(arch: str, path: Path, **over):
         hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
         for tail, (mod, suffix) in special.items():
             if hf.endswith(tail):
-                return w.pop(tmap.get_name(hf.removesuffix(tail) + mod) + suffix)
+                name = tmap.get_name(hf.removesuffix(tail) + mod) + suffix
+                if name not in w and tail == "router.per_expert_scale":  # NVFP4 experts: the
+                    return torch.ones(ref.config.num_experts)  # converter folded it into them
+                return w.pop(name)
         name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
         name = name if name in w else f"{name}.weight"  # stacked experts: no suffix in HF
         if name not in w:
@@ -297,9 +302,14 @@ def gguf_reference(arch: str, path: Path, **over):
     for k in ref.state_dict():  # parameters and persistent buffers (the correction bias)
         if k == "lm_head.weight" and ref.config.tie_word_embeddings:
             continue  # tied: transformers shares the embedding table
-        if k.endswith("experts.gate_up_proj") and tmap.get_name(k) is None:
+        merged = tmap.get_name(k)
+        if k.endswith("experts.gate_up_proj") and merged is None:
             p = k.removesuffix(".gate_up_proj")
             sd[k] = torch.cat([get(p + ".gate_proj"), get(p + ".up_proj")], dim=1)
+        elif k.endswith("experts.gate_up_proj") and f"{merged}.weight" not in w:
+            # gemma4 NVFP4: the converter writes separate gate / up experts
+            parts = [w.pop(merged.replace("gate_up", p) + ".weight") for p in ("gate", "up")]
+            sd[k] = torch.cat(parts, dim=1)
         else:
             sd[k] = get(k)
     # gemma4's proportional rotary as llama.cpp's per-frequency divisors: the reference takes
