@@ -221,13 +221,15 @@ def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
 @torch.inference_mode()
 def greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """n greedy tokens after `prompt` (prefill, then one token a step through the paged KV
-    cache), and the top-1 minus top-2 logit margin at each step."""
-    from freetoken.models.testing import SimpleKV, pages_needed
+    cache; hybrid models' recurrent states carried along), and the top-1 minus top-2 logit
+    margin at each step."""
+    from freetoken.models.testing import SimpleKV, attach_states, pages_needed
 
     kv = SimpleKV(model.kv_cache_shapes(), pages_needed([len(prompt) + n], 16))
-    new, out, margins = list(prompt), [], []
+    new, out, margins, states = list(prompt), [], [], None
     for _ in range(n):
         ctx = kv.context([(0, len(new))])
+        states = attach_states(model, ctx, 1, states)
         logits = model.compute_logits(model(torch.tensor(new), ctx)[ctx.logits_indices])[0]
         top = torch.topk(logits, 2).values
         margins.append(float(top[0] - top[1]))

@@ -104,13 +104,14 @@ _PATCH = (
 )
 
 
-def gguf_path(arch: str, outtype: str) -> Path:
-    """llama.cpp's converter on hf_dir(arch), cached next to it. `--no-mtp`: the converter
-    expects qwen3.5's multi-token-prediction block (absent here, unused for decoding)."""
+def gguf_path(arch: str, outtype: str, src: Path | None = None) -> Path:
+    """llama.cpp's converter on `src` (default hf_dir(arch)), cached next to it. `--no-mtp`: the
+    converter expects qwen3.5's multi-token-prediction block (absent here, unused for
+    decoding)."""
     import os
     import subprocess
 
-    src = hf_dir(arch)
+    src = src or hf_dir(arch)
     out = src.with_name(f"{src.name}-{outtype}.gguf")
     if out.exists():
         return out
