@@ -12,6 +12,7 @@ safe to drive from one thread calling `step()` while others call `add_request` /
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from freetoken.engine.runner import ModelRunner, has_recurrent_state, kv_bytes_p
 from freetoken.engine.sampling_params import SamplingParams
 from freetoken.engine.scheduler import ScheduledBatch, Scheduler
 from freetoken.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -164,6 +167,9 @@ class Engine:
             logits = self.runner.forward(batch)
         except Exception as e:  # noqa: BLE001 - reported to every request of the batch
             self._batch_error = f"forward failed: {type(e).__name__}: {e}"
+            # The requests get the one-line reason; the operator's log gets the traceback.
+            ids = [r.request_id for r in batch.requests]
+            logger.exception("forward failed for requests %s", ids)
             return None
         self.scheduler.computed(batch)
         return logits
@@ -176,6 +182,7 @@ class Engine:
                 self._sample_one(req, row)
             except Exception as e:  # noqa: BLE001 - one request's failure stays its own
                 req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
+                logger.exception("sampling failed for request %s", req.request_id)
         return sampling
 
     def _sample_one(self, req: Request, row: torch.Tensor) -> None:

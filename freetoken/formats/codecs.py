@@ -73,7 +73,7 @@ def _ksigns() -> torch.Tensor:
 
 def _sign_table(idx: torch.Tensor) -> torch.Tensor:
     """ksigns[idx] expanded to +-1 per bit: int64 [...] -> fp32 [..., 8]."""
-    bits = _shifts(_ksigns()[idx], list(range(8)), dim=-1) & 1
+    bits = _shifts(_ksigns().to(idx.device)[idx], list(range(8)), dim=-1) & 1
     return torch.where(bits == 0, torch.tensor(1.0), torch.tensor(-1.0))
 
 
@@ -135,7 +135,7 @@ def _q4_1_into(b, out):
 def _q5_codes(b: torch.Tensor, off: int) -> torch.Tensor:
     """Q5_0 / Q5_1 5-bit codes: 4-bit codes at `off + 4`, bit j of the u32 at `off` on the 4th
     bit of value j. uint8 [n, 32]."""
-    hi = _bit_spread().index_select(0, b[:, off : off + 4].reshape(-1).int())
+    hi = _bit_spread().to(b.device).index_select(0, b[:, off : off + 4].reshape(-1).int())
     return _nib8(b[:, off + 4 :], 16).bitwise_or_(hi.view(torch.uint8).reshape(b.shape[0], 32))
 
 
@@ -165,7 +165,7 @@ def _kv8(qtype: T) -> torch.Tensor:
 def _lookup(qs: torch.Tensor, group: int, qtype: T) -> torch.Tensor:
     """Code-book values of the nibbles of `qs` (see `_nib8`): int8 [n, -1]."""
     idx = _nib8(qs, group)
-    return _kv8(qtype).index_select(0, idx.reshape(-1).int()).reshape(idx.shape)
+    return _kv8(qtype).to(qs.device).index_select(0, idx.reshape(-1).int()).reshape(idx.shape)
 
 
 def _mxfp4_into(b, out):
@@ -188,7 +188,7 @@ def _ue4m3_half() -> torch.Tensor:
 
 def _nvfp4_into(b, out):
     n = b.shape[0]
-    d = _ue4m3_half().index_select(0, b[:, :4].reshape(-1).int()).reshape(n, 4, 1)
+    d = _ue4m3_half().to(b.device).index_select(0, b[:, :4].reshape(-1).int()).reshape(n, 4, 1)
     _fill(out.view(n, 4, 16), _lookup(b[:, 4:], 8, T.NVFP4), d)
 
 
@@ -418,8 +418,11 @@ def dequantize_gguf(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -
         raise ValueError(f"{qtype.name}: {raw.numel()} bytes ({raw.dtype}) do not hold shape "
                          f"{tuple(shape)} (blocks of {block} values in {type_size} bytes)")
     blocks = raw.reshape(-1, type_size)
-    out = torch.empty(len(blocks), block, dtype=F32)
+    out = torch.empty(len(blocks), block, dtype=F32, device=raw.device)
     step = max(1, _CHUNK_VALUES // block)
-    for s in range(0, len(blocks), step):
-        fill(blocks[s : s + step], out[s : s + step])
+    # Constants the codecs build (torch.tensor(...)) land on the blocks' device; cached tables
+    # are moved where they are used. The GPU reference path computes the same numbers.
+    with torch.device(raw.device):
+        for s in range(0, len(blocks), step):
+            fill(blocks[s : s + step], out[s : s + step])
     return out.reshape(shape)

@@ -66,11 +66,11 @@ def dequant_mxfp4(blocks_u8: torch.Tensor, scales_e8m0_u8: torch.Tensor) -> torc
     if k % 32 or tuple(scales_e8m0_u8.shape) != (*blocks_u8.shape[:-1], k // 32):
         raise ValueError(f"MXFP4 scales {tuple(scales_e8m0_u8.shape)} do not fit blocks "
                          f"{tuple(blocks_u8.shape)} (expected [..., N, K/32] with K={k})")
-    lut = torch.as_tensor(E2M1_VALUES, dtype=torch.float32)
+    lut = E2M1_VALUES.to(blocks_u8.device)
     b = blocks_u8.long()
     # [..., N, K/2, 2] -> [..., N, K]: even k from the low nibble, odd k from the high one.
     vals = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).flatten(-2)
-    scale = _e8m0_table()[scales_e8m0_u8.long()]  # [..., N, K/32]
+    scale = _e8m0_table().to(blocks_u8.device)[scales_e8m0_u8.long()]  # [..., N, K/32]
     return (vals.unflatten(-1, (k // 32, 32)) * scale.unsqueeze(-1)).flatten(-2)
 
 

@@ -58,7 +58,8 @@ def dequant_nvfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     lo = (codes & 0x0F).long()
     hi = (codes >> 4).long()
     idx = torch.stack([lo, hi], dim=-1).reshape(*codes.shape[:-1], half_k * 2)  # [..., N, K]
-    vals = E2M1_VALUES[idx].reshape(*codes.shape[:-1], -1, SUB)  # [..., N, K/16, 16]
+    lut = E2M1_VALUES.to(codes.device)
+    vals = lut[idx].reshape(*codes.shape[:-1], -1, SUB)  # [..., N, K/16, 16]
     out = vals * _scales_f32(scales).unsqueeze(-1)
     return out.reshape(*codes.shape[:-1], half_k * 2)
 
