@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import transformers
 
 from freetoken import LLM, SamplingParams
+from freetoken.formats.errors import FormatError
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +28,14 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
 
 def _tokens(device: str, model: str) -> tuple[list[list[int]], float]:
-    llm = LLM(model, device=device, dtype="float32", show_progress=False)
+    try:
+        llm = LLM(model, device=device, dtype="float32", show_progress=False)
+    except FormatError as e:
+        if "cannot build a tokenizer" not in str(e):
+            raise
+        # The GGUF tokenizer comes from transformers' GGUF support, which older releases lack
+        # for newer architectures (transformers 5.17 on the GPU host: qwen35moe, gemma4).
+        pytest.skip(f"transformers {transformers.__version__} on this host: {e}")
     t = time.perf_counter()
     outs = llm.generate(PROMPTS, GREEDY)
     dt = time.perf_counter() - t
