@@ -39,3 +39,13 @@ def cpu_moe_no_avx512vnni() -> bool:
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None
+
+
+# Read by the C++ executor itself (once per process); listed here so every switch is in one place.
+CPU_MOE_NATIVE_SWITCHES = {
+    "FREETOKEN_CPU_MOE_NO_VBMI": "1: use the vpshufb 512-bit kernel, not the vpermb (VBMI) one",
+    "FREETOKEN_CPU_MOE_PIN": "0: do not pin executor threads to CPUs",
+    "FREETOKEN_CPU_MOE_SPIN_US": "microseconds an idle worker spins before sleeping (1000)",
+    "FREETOKEN_CPU_MOE_SPIN_PAUSE": "one pause instruction every N polls while spinning (0: none)",
+    "FREETOKEN_CPU_MOE_PREFETCH": "NVFP4 dot prefetch distance in bytes (4096; 0: off)",
+}
