@@ -78,19 +78,8 @@ def test_dropped_expert_scales_fail(paths, reference, kind):
 
 def test_greedy_hf_and_gguf_identical(paths):
     """A plain greedy loop over each model, and the engine's offline LLM on each file."""
-    from freetoken import LLM, SamplingParams
-
     prompt = tmoe.prompts(1)[0]
-    runs = {k: tmoe.greedy(load_model(p, show_progress=False)[0], prompt, N_TOKENS)
-            for k, p in paths.items()}
-    (hf_tokens, margins), (gguf_tokens, _) = runs["hf"], runs["gguf"]
-    print(f"{ARCH} nvfp4 greedy: min top-2 margin {min(margins):.3g}")
-    assert len(hf_tokens) == N_TOKENS
-    assert hf_tokens == gguf_tokens
-    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
-    for kind, p in paths.items():
-        out = LLM(str(p)).generate([prompt], params)[0].token_ids
-        assert out == hf_tokens, f"engine on the {kind} file"
+    tmoe.assert_greedy_hf_gguf_identical(ARCH, paths, prompt, N_TOKENS)
 
 
 if __name__ == "__main__":

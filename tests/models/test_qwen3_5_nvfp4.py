@@ -76,20 +76,9 @@ def test_logits_match_dequantized_reference(case, kind):
 
 def test_greedy_hf_and_gguf_identical(case):
     """A plain greedy loop over each model, and the engine's offline LLM on each file."""
-    from freetoken import LLM, SamplingParams
-
     arch, paths, _, _ = case
     prompt = tq.prompts(1)[0]
-    runs = {k: tmoe.greedy(load_model(p, show_progress=False)[0], prompt, N_TOKENS)
-            for k, p in paths.items()}
-    (hf_tokens, margins), (gguf_tokens, _) = runs["hf"], runs["gguf"]
-    print(f"{arch} nvfp4 greedy: min top-2 margin {min(margins):.3g}")
-    assert len(hf_tokens) == N_TOKENS
-    assert hf_tokens == gguf_tokens
-    params = SamplingParams(temperature=0, max_tokens=N_TOKENS, ignore_eos=True)
-    for kind, p in paths.items():
-        out = LLM(str(p)).generate([prompt], params)[0].token_ids
-        assert out == hf_tokens, f"engine on the {kind} file"
+    tmoe.assert_greedy_hf_gguf_identical(arch, paths, prompt, N_TOKENS)
 
 
 if __name__ == "__main__":

@@ -243,6 +243,25 @@ hf_logits = tm.hf_logits
 rel_err = tm.rel_err
 
 
+
+def assert_greedy_hf_gguf_identical(arch: str, paths: dict[str, Path], prompt: list[int],
+                                    n_tokens: int) -> None:
+    """The HF NVFP4 dir and its converted GGUF give the same greedy tokens: a plain loop over
+    each model, then the engine's offline LLM on each file."""
+    from freetoken import LLM, SamplingParams
+    from freetoken.models import load_model
+
+    runs = {k: greedy(load_model(p, show_progress=False)[0], prompt, n_tokens)
+            for k, p in paths.items()}
+    (hf_tokens, margins), (gguf_tokens, _) = runs["hf"], runs["gguf"]
+    print(f"{arch} nvfp4 greedy: min top-2 margin {min(margins):.3g}")
+    assert len(hf_tokens) == n_tokens
+    assert hf_tokens == gguf_tokens
+    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    for kind, p in paths.items():
+        out = LLM(str(p)).generate([prompt], params)[0].token_ids
+        assert out == hf_tokens, f"engine on the {kind} file"
+
 def _gguf_tensors(gf) -> dict[str, torch.Tensor]:
     """Every tensor of a GGUF dequantized by gguf-py's numpy `gguf.quants` (not our codecs),
     with each NVFP4 weight's `.scale` folded in (per tensor or per expert). The bytes come from
