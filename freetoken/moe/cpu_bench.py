@@ -131,14 +131,20 @@ def _best(fn, nbytes: int, passes: int | None = None) -> float:
 CEILING_PREFETCH = (0, 2048, 4096, 8192, 16384)
 
 
-def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int) -> float:
-    """Streaming-read GB/s: best of PASSES sweeps of the whole buffer on `threads` threads,
-    over every prefetch distance in CEILING_PREFETCH."""
+def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int,
+            distances: tuple[int, ...] = CEILING_PREFETCH, passes: int | None = None) -> float:
+    """Streaming-read GB/s: best of `passes` sweeps of the whole buffer on `threads` threads,
+    over every prefetch distance in `distances`."""
     n = buf.numel() // threads // 256 * 256 * threads
     return max(
-        _best(lambda d=d: ex._ex.time_stream(buf.data_ptr(), buf.numel(), 1, threads, d), n)
-        for d in CEILING_PREFETCH
+        _best(lambda d=d: ex._ex.time_stream(buf.data_ptr(), buf.numel(), 1, threads, d), n,
+              passes)
+        for d in distances
     )
+
+
+# Re-sweeps between figures (fewer distances and passes, to stay cheap).
+RESWEEP_PREFETCH, RESWEEP_PASSES = (0, 4096, 8192), 2
 
 
 def dot_l2(ex: CpuMoeExecutor) -> float:
@@ -240,12 +246,20 @@ def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> 
     log(f"read ceiling ({best.isa} stream loads): {res['ceiling_gbps']:.1f} GB/s on {threads} "
         f"threads, {res['ceiling_1thread_gbps']:.1f} GB/s on one")
     figs: dict[str, dict[str, float]] = {}
+
+    def resweep() -> None:
+        # A host's bandwidth moves during a run (seen on the GPU host: figures above a ceiling
+        # swept once at the start). The ceiling is the best of every sweep made in the run.
+        c = ceiling(best, big.data, threads, RESWEEP_PREFETCH, RESWEEP_PASSES)
+        res["ceiling_gbps"] = max(res["ceiling_gbps"], c)
+        res.setdefault("ceiling_sweeps_gbps", []).append(c)
+
     for tier in tiers:
         ex = CpuMoeExecutor(threads, isa=tier)
         figs.setdefault("dot K=2048, 1 core, L2", {})[tier] = dot_l2(ex)
         figs.setdefault(f"dot K=2048, {threads} thr, DRAM", {})[tier] = dot_dram(ex, big)
+        resweep()
         log(f"  {tier}: dots done ({time.time() - t0:.0f} s)")
-    del big
     for shape in SHAPES:
         lb = LayerBench(shape, budget)
         res.setdefault("layers", {})[shape.label] = {
@@ -258,6 +272,7 @@ def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> 
         log(f"  {shape.label} ({shape.model}, {lb.layers} layers x {lb.experts} experts): done "
             f"({time.time() - t0:.0f} s)")
         del lb
+        resweep()
     res["figures"] = figs
     res["seconds"] = time.time() - t0
     return res
@@ -271,8 +286,10 @@ def format_table(res: dict) -> str:
     for name, row in res["figures"].items():
         cells = "".join(f"{row[t]:>9.1f} ({100 * row[t] / c:>4.0f}%)" for t in tiers)
         lines.append(f"{name:<28}{cells}")
-    lines.append(f"read ceiling: {c:.1f} GB/s on {res['threads']} threads "
-                 f"({res['ceiling_1thread_gbps']:.1f} on one); {res['seconds']:.0f} s")
+    sweeps = ", ".join(f"{x:.0f}" for x in res.get("ceiling_sweeps_gbps", []))
+    lines.append(f"read ceiling: {c:.1f} GB/s on {res['threads']} threads, the best of every "
+                 f"sweep in the run (re-sweeps: {sweeps}) ({res['ceiling_1thread_gbps']:.1f} on "
+                 f"one); {res['seconds']:.0f} s")
     return "\n".join(lines)
 
 
