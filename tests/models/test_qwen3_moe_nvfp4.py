@@ -39,14 +39,12 @@ N_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def paths():
-    hf = tmoe.nvfp4_dir(ARCH)
-    return {"hf": hf, "gguf": tmoe.gguf_path(ARCH, "f32", src=hf)}
+    return tmoe.nvfp4_paths(ARCH)
 
 
 @pytest.fixture(scope="module")
 def reference(paths):
-    seqs = tmoe.prompts()
-    return seqs, tmoe.hf_logits(tmoe.gguf_reference(ARCH, paths["gguf"]), seqs)
+    return tmoe.nvfp4_gguf_reference(ARCH, paths)
 
 
 def _banks(model):

@@ -244,6 +244,18 @@ rel_err = tm.rel_err
 
 
 
+
+def nvfp4_paths(arch: str) -> dict[str, Path]:
+    """The ModelOpt NVFP4 dir of `arch` and the GGUF llama.cpp's converter makes of it."""
+    hf = nvfp4_dir(arch)
+    return {"hf": hf, "gguf": gguf_path(arch, "f32", src=hf)}
+
+
+def nvfp4_gguf_reference(arch: str, paths: dict[str, Path]):
+    """(prompts, transformers logits on gguf-py's dequantization of the NVFP4 GGUF)."""
+    seqs = prompts()
+    return seqs, hf_logits(gguf_reference(arch, paths["gguf"]), seqs)
+
 def assert_greedy_hf_gguf_identical(arch: str, paths: dict[str, Path], prompt: list[int],
                                     n_tokens: int) -> None:
     """The HF NVFP4 dir and its converted GGUF give the same greedy tokens: a plain loop over
