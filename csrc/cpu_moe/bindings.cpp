@@ -11,7 +11,7 @@ using ft::Bank;
 using ft::Executor;
 
 namespace ft {
-void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out);
+void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out, bool wide);
 }
 
 template <typename T>
@@ -83,9 +83,9 @@ NB_MODULE(_cpu_moe, m) {
       });
 
   m.def("supported_tiers", &ft::supported_tiers);
-  m.def("nvfp4_q8_prep_reference", [](uintptr_t x, int64_t K) {
-    std::vector<uint8_t> v(ft::nvfp4_q8_bytes(K));
-    ft::nvfp4_q8_prep_reference(ptr<const float>(x), K, v.data());
+  m.def("nvfp4_q8_prep_reference", [](uintptr_t x, int64_t K, bool wide) {
+    std::vector<uint8_t> v(wide ? ft::nvfp4_q8w_bytes(K) : ft::nvfp4_q8_bytes(K));
+    ft::nvfp4_q8_prep_reference(ptr<const float>(x), K, v.data(), wide);
     return as_bytes(v);
   });
   nb::dict fmts;

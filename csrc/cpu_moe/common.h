@@ -98,6 +98,21 @@ constexpr int64_t kChunkK = 128;
 constexpr int64_t kChunkBytes = 256;
 inline int64_t nvfp4_q8_bytes(int64_t K) { return (K + kChunkK - 1) / kChunkK * kChunkBytes; }
 
+// The 512-bit dot's layout (avx512_vnni tier): superchunks of 16 blocks, each int32 lane one
+// whole block, so one int->float convert, one scale product and one FMA cover 16 k per lane
+// instead of 8 (the dot interleaves two 64-byte weight loads with vpermt2d to match).
+// Per token, ceil(K/256) superchunks of 384 bytes; superchunk s covers blocks 16s + j, j < 16:
+//   [64v, 64v + 64), v = 0..3: int8; lane j (bytes 4j .. 4j + 3), byte i holds
+//              a[256s + 16j + 8 * (v / 2) + 2i + v % 2]   (v even: even k, v odd: odd k)
+//   [256, 320) int32 bias[16]: lane j = -12 * sum of block j
+//   [320, 384) fp32 scale[16]: lane j = 128 * scale of block j (the same fold as above)
+// A partial last superchunk is zero-padded (int8 0, bias 0, scale 0).
+constexpr int64_t kWideK = 256;
+constexpr int64_t kWideBytes = 384;
+inline int64_t nvfp4_q8w_bytes(int64_t K) { return (K + kWideK - 1) / kWideK * kWideBytes; }
+// Where value w (0..15) of block j sits inside a superchunk.
+inline int64_t nvfp4_q8w_pos(int j, int w) { return 64 * (2 * (w / 8) + w % 2) + 4 * j + (w % 8) / 2; }
+
 // Activation quantization shared by every int8 path: per block of `n` values,
 // scale = amax / 127, q = round-half-even(x * (127 / amax)). Blocks whose amax is below
 // 127 / FLT_MAX (about 3.7e-37, where 127 / amax overflows) become zeros with scale 0.

@@ -71,6 +71,21 @@ static void nvfp4_q8_prep_scalar(const float* x, int64_t K, uint8_t* out) {
   }
 }
 
+// The wide layout of common.h (the 512-bit dot's), scalar. The SIMD prep must match it.
+static void nvfp4_q8w_prep_scalar(const float* x, int64_t K, uint8_t* out) {
+  std::memset(out, 0, nvfp4_q8w_bytes(K));
+  int8_t q[16];
+  for (int64_t b = 0; b < K / 16; ++b) {
+    float d;
+    const int32_t s = quant_block_scalar(x + b * 16, 16, q, &d);
+    uint8_t* sc = out + (b / 16) * kWideBytes;
+    const int j = static_cast<int>(b % 16);
+    for (int w = 0; w < 16; ++w) sc[nvfp4_q8w_pos(j, w)] = static_cast<uint8_t>(q[w]);
+    reinterpret_cast<int32_t*>(sc + 256)[j] = -12 * s;
+    reinterpret_cast<float*>(sc + 320)[j] = d * 128.0f;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // float-format row decoders: weights [k0, k0 + n) of one row -> fp32 (scales applied)
 // ---------------------------------------------------------------------------

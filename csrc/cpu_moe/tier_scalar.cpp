@@ -11,9 +11,14 @@ const Kernels& kernels_scalar() {
   return k;
 }
 
-// The scalar NVFP4 W4A8 activation quant: the reference the SIMD quants must match.
-void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out) {
-  scalar_tier::nvfp4_q8_prep_scalar(x, K, out);
+// The scalar NVFP4 W4A8 activation quants: the references the SIMD quants must match, in the
+// chunk layout (wide = false, the 256-bit dot's) or the wide layout (the 512-bit dot's).
+void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out, bool wide) {
+  if (wide) {
+    scalar_tier::nvfp4_q8w_prep_scalar(x, K, out);
+  } else {
+    scalar_tier::nvfp4_q8_prep_scalar(x, K, out);
+  }
 }
 
 }  // namespace ft

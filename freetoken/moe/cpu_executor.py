@@ -213,8 +213,9 @@ class CpuMoeExecutor:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def nvfp4_q8_reference(x: torch.Tensor) -> torch.Tensor:
-    """The scalar NVFP4 W4A8 activation quant (the chunk layout), as raw bytes."""
+def nvfp4_q8_reference(x: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """The scalar NVFP4 W4A8 activation quant, as raw bytes: the chunk layout of the 256-bit
+    dot (wide=False) or the wide layout of the 512-bit dot (wide=True)."""
     _check_tensor(x, "x", torch.float32, (x.shape[0],))
-    raw = _ext().nvfp4_q8_prep_reference(x.data_ptr(), x.shape[0])
+    raw = _ext().nvfp4_q8_prep_reference(x.data_ptr(), x.shape[0], bool(wide))
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

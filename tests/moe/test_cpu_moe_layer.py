@@ -85,7 +85,10 @@ def test_layer_matches_reference_and_thread_count(T: int, activation: str, with_
         err_model = rel_err(one, model)
         print(f"{msg}; W4A8 float64 model vs reference {rel_err(model, ref):.2e}; "
               f"executor vs W4A8 model {err_model:.2e}")
-        assert err_model < 1e-5
+        # The executor's fp32 GLU output and the model's float64 one may round to different
+        # int8 values where they sit at a half-way point: one such flip moves the output by
+        # about 1e-5 of its max; a wrong lane, block or scale costs 1e-3 or more.
+        assert err_model < 1e-4
     else:
         print(msg)
     assert err < REF_BAR
