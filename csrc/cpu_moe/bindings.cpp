@@ -11,7 +11,7 @@ using ft::Bank;
 using ft::Executor;
 
 namespace ft {
-void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out, bool wide);
+void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out, int lanes);
 }
 
 template <typename T>
@@ -83,9 +83,10 @@ NB_MODULE(_cpu_moe, m) {
       });
 
   m.def("supported_tiers", &ft::supported_tiers);
-  m.def("nvfp4_q8_prep_reference", [](uintptr_t x, int64_t K, bool wide) {
-    std::vector<uint8_t> v(wide ? ft::nvfp4_q8w_bytes(K) : ft::nvfp4_q8_bytes(K));
-    ft::nvfp4_q8_prep_reference(ptr<const float>(x), K, v.data(), wide);
+  m.def("nvfp4_q8_prep_reference", [](uintptr_t x, int64_t K, int lanes) {
+    if (lanes != 16 && lanes != 8) throw std::invalid_argument("lanes must be 16 or 8");
+    std::vector<uint8_t> v((lanes == 16 ? ft::kQ8x16 : ft::kQ8x8).bytes(K));
+    ft::nvfp4_q8_prep_reference(ptr<const float>(x), K, v.data(), lanes);
     return as_bytes(v);
   });
   nb::dict fmts;

@@ -84,34 +84,38 @@ void nvfp4_dot_avx512_vbmi(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                            const uint8_t* const* acts, int ntok, float* out, int64_t os);
 
 // ============================================================================
-// NVFP4 W4A8 activation layout (the VNNI tiers)
+// NVFP4 W4A8 activation layouts (the VNNI tiers)
 // ============================================================================
-// Per token, ceil(K/128) chunks of 256 bytes; chunk c covers k in [128c, 128c + 128):
-//   [0, 64)    int8 a[128c + 2i]      (even k)
-//   [64, 128)  int8 a[128c + 2i + 1]  (odd k)
-//   [128, 192) int32 bias[16]: lane j = -12 * sum(a[128c + 8j .. 128c + 8j + 7])
-//   [192, 256) fp32 lane scale[16]: lane j = 128 * scale of block j/2 (block = 16 k);
-//              the 128 folds the 2^-8 of the E4M3->FP16 shift and the 1/2 of the
-//              doubled E2M1 table.
-// A partial last chunk is zero-padded (int8 0, bias 0, scale 0).
-constexpr int64_t kChunkK = 128;
-constexpr int64_t kChunkBytes = 256;
-inline int64_t nvfp4_q8_bytes(int64_t K) { return (K + kChunkK - 1) / kChunkK * kChunkBytes; }
-
-// The 512-bit dot's layout (avx512_vnni tier): superchunks of 16 blocks, each int32 lane one
-// whole block, so one int->float convert, one scale product and one FMA cover 16 k per lane
-// instead of 8 (the dot interleaves two 64-byte weight loads with vpermt2d to match).
-// Per token, ceil(K/256) superchunks of 384 bytes; superchunk s covers blocks 16s + j, j < 16:
-//   [64v, 64v + 64), v = 0..3: int8; lane j (bytes 4j .. 4j + 3), byte i holds
-//              a[256s + 16j + 8 * (v / 2) + 2i + v % 2]   (v even: even k, v odd: odd k)
-//   [256, 320) int32 bias[16]: lane j = -12 * sum of block j
-//   [320, 384) fp32 scale[16]: lane j = 128 * scale of block j (the same fold as above)
-// A partial last superchunk is zero-padded (int8 0, bias 0, scale 0).
-constexpr int64_t kWideK = 256;
-constexpr int64_t kWideBytes = 384;
-inline int64_t nvfp4_q8w_bytes(int64_t K) { return (K + kWideK - 1) / kWideK * kWideBytes; }
-// Where value w (0..15) of block j sits inside a superchunk.
-inline int64_t nvfp4_q8w_pos(int j, int w) { return 64 * (2 * (w / 8) + w % 2) + 4 * j + (w % 8) / 2; }
+// Activations are quantized once per token (int8 per block of 16 k) into groups of L blocks,
+// L = the dot's int32 lanes (16 for the 512-bit dot, 8 for the 256-bit one), so that each
+// lane accumulates one whole block: one int->float convert, one scale product and one FMA per
+// 16 k and lane. The dot reads a group's weight codes as two loads of 8L bytes (lane l of a
+// load holds half of block l/2) and interleaves their dwords (vpermt2d / vshufps) into one
+// vector of the blocks' first halves and one of their second halves; lane m then holds block
+// ord[m] (identity for 16 lanes; vshufps's in-lane order 0,1,4,5,2,3,6,7 for 8).
+// Per token, ceil(K / 16L) groups of 24L bytes; group g covers blocks gL + ord[m], m < L:
+//   [4Lv, 4Lv + 4L), v = 0..3: int8; lane m (bytes 4m .. 4m + 3), byte i holds value
+//              8 * (v / 2) + 2i + v % 2 of block ord[m] (v even: even k, v odd: odd k), so a
+//              weight vector's low nibbles (even k) and high nibbles (odd k) line up with them
+//   [16L, 20L) int32 bias[L]: lane m = -12 * sum of block ord[m] (the E2M1 table's +12)
+//   [20L, 24L) fp32 scale[L]: lane m = 128 * scale of block ord[m]; the 128 folds the 2^-8 of
+//              the E4M3->FP16 shift and the 1/2 of the doubled E2M1 table
+// A partial last group is zero-padded (int8 0, bias 0, scale 0).
+struct Q8Layout {
+  int lanes;
+  int ord[16];
+  constexpr int64_t group_k() const { return 16 * lanes; }
+  constexpr int64_t group_bytes() const { return 24 * lanes; }
+  constexpr int64_t bytes(int64_t K) const { return (K + group_k() - 1) / group_k() * group_bytes(); }
+  // Byte offset, inside its group, of value w (0..15) of the block in lane m.
+  constexpr int64_t pos(int m, int w) const {
+    return 4 * lanes * (2 * (w / 8) + w % 2) + 4 * m + (w % 8) / 2;
+  }
+};
+constexpr Q8Layout kQ8x16{16, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}};
+constexpr Q8Layout kQ8x8{8, {0, 1, 4, 5, 2, 3, 6, 7}};
+inline int64_t nvfp4_q8x16_bytes(int64_t K) { return kQ8x16.bytes(K); }
+inline int64_t nvfp4_q8x8_bytes(int64_t K) { return kQ8x8.bytes(K); }
 
 // Activation quantization shared by every int8 path: per block of `n` values,
 // scale = amax / 127, q = round-half-even(x * (127 / amax)). Blocks whose amax is below

@@ -46,43 +46,20 @@ static void q8_32_prep(const float* x, int64_t K, uint8_t* out) {
   for (int64_t b = 0; b < K / 32; ++b) s[b] = quant_block_scalar(x + b * 32, 32, q + b * 32, d + b);
 }
 
-// The NVFP4 W4A8 chunk layout of common.h, scalar. The SIMD tiers must match it bit for bit.
-static void nvfp4_q8_prep_scalar(const float* x, int64_t K, uint8_t* out) {
-  std::memset(out, 0, nvfp4_q8_bytes(K));
-  int8_t q[16];
-  for (int64_t b = 0; b < K / 16; ++b) {
-    float d;
-    quant_block_scalar(x + b * 16, 16, q, &d);
-    uint8_t* ch = out + (b / 8) * kChunkBytes;
-    const int bb = static_cast<int>(b % 8);
-    int8_t* even = reinterpret_cast<int8_t*>(ch);
-    int32_t* bias = reinterpret_cast<int32_t*>(ch + 128);
-    float* sc = reinterpret_cast<float*>(ch + 192);
-    for (int i = 0; i < 8; ++i) {
-      even[bb * 8 + i] = q[2 * i];
-      even[64 + bb * 8 + i] = q[2 * i + 1];
-    }
-    for (int h = 0; h < 2; ++h) {  // lane 2bb + h covers k = 16bb + 8h .. + 7
-      int32_t s = 0;
-      for (int i = 0; i < 8; ++i) s += q[8 * h + i];
-      bias[2 * bb + h] = -12 * s;
-      sc[2 * bb + h] = d * 128.0f;
-    }
-  }
-}
-
-// The wide layout of common.h (the 512-bit dot's), scalar. The SIMD prep must match it.
-static void nvfp4_q8w_prep_scalar(const float* x, int64_t K, uint8_t* out) {
-  std::memset(out, 0, nvfp4_q8w_bytes(K));
+// The NVFP4 W4A8 layouts of common.h, scalar. The SIMD quants must match them bit for bit.
+static void nvfp4_q8_prep_scalar(const Q8Layout& L, const float* x, int64_t K, uint8_t* out) {
+  std::memset(out, 0, L.bytes(K));
+  int lane_of[16] = {};
+  for (int m = 0; m < L.lanes; ++m) lane_of[L.ord[m]] = m;
   int8_t q[16];
   for (int64_t b = 0; b < K / 16; ++b) {
     float d;
     const int32_t s = quant_block_scalar(x + b * 16, 16, q, &d);
-    uint8_t* sc = out + (b / 16) * kWideBytes;
-    const int j = static_cast<int>(b % 16);
-    for (int w = 0; w < 16; ++w) sc[nvfp4_q8w_pos(j, w)] = static_cast<uint8_t>(q[w]);
-    reinterpret_cast<int32_t*>(sc + 256)[j] = -12 * s;
-    reinterpret_cast<float*>(sc + 320)[j] = d * 128.0f;
+    uint8_t* g = out + (b / L.lanes) * L.group_bytes();
+    const int m = lane_of[b % L.lanes];
+    for (int w = 0; w < 16; ++w) g[L.pos(m, w)] = static_cast<uint8_t>(q[w]);
+    reinterpret_cast<int32_t*>(g + 16 * L.lanes)[m] = -12 * s;
+    reinterpret_cast<float*>(g + 20 * L.lanes)[m] = d * 128.0f;
   }
 }
 

@@ -3,7 +3,7 @@
 // the low nibble needs no mask). Include only from a translation unit compiled with the
 // matching flags.
 //
-// Superchunk = 256 k = 16 blocks = 128 weight bytes + 16 E4M3 scales, activations in the wide
+// A group = 256 k = 16 blocks = 128 weight bytes + 16 E4M3 scales, activations in the 16-lane
 // layout of common.h. In a 64-byte load, int32 lane l holds half a block (block l/2, 8 codes);
 // vpermt2d of two loads gathers the first halves of the 16 blocks into one vector and the second
 // halves into another, so lane j is block j in both. Each splits into low nibbles (even k) and
@@ -51,10 +51,10 @@ static inline void nibbles(__m512i p, __m512i& lo, __m512i& hi) {
   }
 }
 
-// One superchunk of R rows x NT tokens: A, B are each row's two 64-byte loads, ws its 16 block
-// scales; the activation superchunk of token t starts at a[t] + off.
+// One group of R rows x NT tokens: A, B are each row's two 64-byte loads, ws its 16 block
+// scales; the activation group of token t starts at a[t] + off.
 template <bool kVbmi, int R, int NT>
-static inline void superchunk(const __m512i* A, const __m512i* B, const __m512* ws,
+static inline void group_step(const __m512i* A, const __m512i* B, const __m512* ws,
                               const uint8_t* const* a, int64_t off, __m512 (*facc)[NT]) {
   const __m512i first = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i second = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -82,7 +82,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   __m512 facc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm512_setzero_ps();
-  const int64_t ns = K / kWideK;
+  const int64_t ns = K / kQ8x16.group_k();
   __m512i A[R], B[R];
   __m512 ws[R];
   const int64_t pf = prefetch_bytes();
@@ -97,9 +97,9 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
       ws[r] = decode_scales16(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + r * srows + s * 16)));
     }
-    superchunk<kVbmi, R, NT>(A, B, ws, a, s * kWideBytes, facc);
+    group_step<kVbmi, R, NT>(A, B, ws, a, s * kQ8x16.group_bytes(), facc);
   }
-  const int64_t left = K / 16 - 16 * ns;  // 0..15 blocks after the superchunks
+  const int64_t left = K / 16 - 16 * ns;  // 0..15 blocks after the groups
   if (left) {
     const int64_t nb = left * 8;  // their code bytes, 8..120
     const __mmask64 ma = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
@@ -110,7 +110,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
       B[r] = _mm512_maskz_loadu_epi8(mb, wrow + r * rows + ns * 128 + 64);
       ws[r] = decode_scales16(_mm_maskz_loadu_epi8(sm, wsc + r * srows + ns * 16));
     }
-    superchunk<kVbmi, R, NT>(A, B, ws, a, ns * kWideBytes, facc);
+    group_step<kVbmi, R, NT>(A, B, ws, a, ns * kQ8x16.group_bytes(), facc);
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) res[r + t * os] = _mm512_reduce_add_ps(facc[r][t]);

@@ -1,7 +1,9 @@
 // AVX-VNNI tier (256-bit, the `avx2` tier with VNNI): the NVFP4 W4A8 kernel with
-// vpdpbusd on ymm registers and its SIMD activation quant; everything else comes from the
-// AVX2 tier's table. Same data layout as the 512-bit kernel: a 32-byte weight load covers
-// half a chunk (4 blocks); whole halves run in SIMD, the last 1-3 blocks in a scalar tail.
+// vpdpbusd on ymm registers and its SIMD activation quant (the 8-lane layout of common.h);
+// everything else comes from the AVX2 tier's table. A group is 8 blocks = 64 weight bytes:
+// two 32-byte loads interleaved by vshufps into the blocks' first and second halves, so each
+// int32 lane accumulates one whole block (lanes in block order 0,1,4,5,2,3,6,7); the last
+// 1..7 blocks use masked loads.
 #include <immintrin.h>
 
 #include "common.h"
@@ -9,10 +11,9 @@
 namespace ft {
 namespace avx2_vnni_tier {
 
-constexpr int8_t kLut[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 // ---------------------------------------------------------------------------
-// activation quant (bit-identical to nvfp4_q8_prep_scalar)
+// activation quant (bit-identical to nvfp4_q8_prep_scalar(kQ8x8))
 // ---------------------------------------------------------------------------
 static inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -29,12 +30,14 @@ static inline int32_t hsum8i(__m256i v) {
 }
 
 static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
-  std::memset(out, 0, nvfp4_q8_bytes(K));
+  std::memset(out, 0, kQ8x8.bytes(K));
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  // dword v of the shuffled block = the 4 values vector v of the group takes
+  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  constexpr int kLaneOf[8] = {0, 1, 4, 5, 2, 3, 6, 7};  // ord is its own inverse
   for (int64_t b = 0; b < K / 16; ++b) {
-    uint8_t* ch = out + (b / 8) * kChunkBytes;
-    const int bb = static_cast<int>(b % 8);
+    uint8_t* g = out + (b / 8) * kQ8x8.group_bytes();
+    const int m = kLaneOf[b % 8];
     const __m256 v0 = _mm256_loadu_ps(x + b * 16), v1 = _mm256_loadu_ps(x + b * 16 + 8);
     const float amax = hmax8(_mm256_max_ps(_mm256_and_ps(v0, absmask), _mm256_and_ps(v1, absmask)));
     if (!(amax >= kMinAmax)) continue;
@@ -48,65 +51,53 @@ static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
     const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8);
     const __m128i q8 = _mm_shuffle_epi8(
         _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)), split);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(ch + bb * 8), q8);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(ch + 64 + bb * 8), _mm_unpackhi_epi64(q8, q8));
-    int32_t* bias = reinterpret_cast<int32_t*>(ch + 128);
-    float* sc = reinterpret_cast<float*>(ch + 192);
-    bias[2 * bb] = -12 * hsum8i(q0);
-    bias[2 * bb + 1] = -12 * hsum8i(q1);
-    sc[2 * bb] = sc[2 * bb + 1] = (amax / 127.0f) * 128.0f;
+    const int32_t d[4] = {_mm_cvtsi128_si32(q8), _mm_extract_epi32(q8, 1),
+                          _mm_extract_epi32(q8, 2), _mm_extract_epi32(q8, 3)};
+    for (int u = 0; u < 4; ++u) std::memcpy(g + 32 * u + 4 * m, &d[u], 4);
+    reinterpret_cast<int32_t*>(g + 128)[m] = -12 * hsum8i(_mm256_add_epi32(q0, q1));
+    reinterpret_cast<float*>(g + 160)[m] = (amax / 127.0f) * 128.0f;
   }
 }
 
 // ---------------------------------------------------------------------------
 // dot
 // ---------------------------------------------------------------------------
-static inline __m256 decode_scales4(const uint8_t* p) {  // 4 E4M3 -> 8 lanes, value * 2^-8
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  const __m128i s = _mm_cvtsi32_si128(v);
-  __m128i h = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_unpacklo_epi8(s, s)), 7);
+// 8 E4M3 bytes (one group) -> 8 fp32 in lane order 0,1,4,5,2,3,6,7, value * 2^-8: vpshufb puts
+// each byte in the high byte of its word (low byte zero), >> 1 arithmetic leaves it in bits
+// 7..14 with its sign also in bit 15; clearing bit 14 leaves fp16 sign | exponent | mantissa.
+static inline __m256 decode_scales8(__m128i s) {
+  const __m128i idx = _mm_setr_epi8(-128, 0, -128, 1, -128, 4, -128, 5, -128, 2, -128, 3, -128, 6,
+                                    -128, 7);
+  __m128i h = _mm_srai_epi16(_mm_shuffle_epi8(s, idx), 1);
   h = _mm_and_si128(h, _mm_set1_epi16(static_cast<short>(0xbfff)));
   return _mm256_cvtph_ps(h);
 }
 
-static inline float e4m3_shifted(uint8_t b) {  // the same 2^-8 value as decode_scales4
-  const __m128i h = _mm_cvtsi32_si128((((b & 0x7f) << 7) | ((b & 0x80) << 8)));
-  return _mm_cvtss_f32(_mm_cvtph_ps(h));
-}
-
-// 8 E4M3 bytes (one chunk) -> two fp32 vectors (half h: lanes j <- byte 4h + j/2), value * 2^-8.
-static inline void decode_scales8(const uint8_t* p, __m256& lo, __m256& hi) {
-  const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  __m256i h = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s)), 7);
-  h = _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbfff)));
-  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
-
-// Half a chunk (32 weight bytes, 4 blocks) of R rows x NT tokens at activation offset `off`:
-// the activation vectors are loaded once per token and shared by the R rows; each (row, token)
-// has its own accumulator chain, so a row's arithmetic does not depend on R or NT.
+// One group of R rows x NT tokens: A, B are each row's two 32-byte loads, ws its 8 block scales;
+// the activation group of token t starts at a[t] + off. Each (row, token) has its own
+// accumulator chain, so a row's arithmetic does not depend on R or NT.
 template <int R, int NT>
-static inline void half_rows(const uint8_t* wp, int64_t rows, const __m256* ws,
-                             const uint8_t* const* a, int64_t off, __m256 (*facc)[NT]) {
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kLut)));
+static inline void group_step(const __m256i* A, const __m256i* B, const __m256* ws,
+                              const uint8_t* const* a, int64_t off, __m256 (*facc)[NT]) {
+  const __m256i lut = _mm256_broadcastsi128_si256(
+      _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
   const __m256i m4 = _mm256_set1_epi8(0x0f);
-  __m256i wl[R], wh[R];
   for (int r = 0; r < R; ++r) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + r * rows));
-    wl[r] = _mm256_shuffle_epi8(lut, _mm256_and_si256(w, m4));
-    wh[r] = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(w, 4), m4));
-  }
-  for (int t = 0; t < NT; ++t) {
-    const uint8_t* p = a[t] + off;
-    const __m256i ae = _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i ao = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64));
-    const __m256i bias = _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 128));
-    const __m256 as = _mm256_load_ps(reinterpret_cast<const float*>(p + 192));
-    for (int r = 0; r < R; ++r) {
-      __m256i acc = _mm256_dpbusd_avx_epi32(bias, wl[r], ae);
-      acc = _mm256_dpbusd_avx_epi32(acc, wh[r], ao);
+    const __m256 fa = _mm256_castsi256_ps(A[r]), fb = _mm256_castsi256_ps(B[r]);
+    const __m256i p0 = _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0x88));  // first halves
+    const __m256i p1 = _mm256_castps_si256(_mm256_shuffle_ps(fa, fb, 0xdd));  // second halves
+    const __m256i l0 = _mm256_shuffle_epi8(lut, _mm256_and_si256(p0, m4));
+    const __m256i h0 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p0, 4), m4));
+    const __m256i l1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(p1, m4));
+    const __m256i h1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), m4));
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* p = a[t] + off;
+      auto ld = [p](int o) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p + o)); };
+      __m256i acc = _mm256_dpbusd_avx_epi32(ld(128), l0, ld(0));
+      acc = _mm256_dpbusd_avx_epi32(acc, h0, ld(32));
+      acc = _mm256_dpbusd_avx_epi32(acc, l1, ld(64));
+      acc = _mm256_dpbusd_avx_epi32(acc, h1, ld(96));
+      const __m256 as = _mm256_load_ps(reinterpret_cast<const float*>(p + 160));
       facc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ws[r], as), facc[r][t]);
     }
   }
@@ -119,54 +110,49 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Scalar tail: block b (global index) of one token, same integer math as the SIMD lanes.
-static inline float tail_block(const uint8_t* wrow, const uint8_t* wsc, int64_t b,
-                               const uint8_t* a) {
-  const uint8_t* ch = a + (b / 8) * kChunkBytes;
-  const int bb = static_cast<int>(b % 8);
-  const int8_t* even = reinterpret_cast<const int8_t*>(ch) + bb * 8;
-  const int8_t* odd = even + 64;
-  int32_t s = 0;
-  for (int i = 0; i < 8; ++i) {
-    const uint8_t byte = wrow[b * 8 + i];
-    s += (kLut[byte & 15] - 12) * even[i] + (kLut[byte >> 4] - 12) * odd[i];
-  }
-  const float as = reinterpret_cast<const float*>(ch + 192)[2 * bb];
-  return static_cast<float>(s) * (e4m3_shifted(wsc[b]) * as);
-}
-
-// R consecutive rows against NT tokens; res[r + t * os]. Whole chunks decode their 8 scales at
-// once; a last whole half (4 blocks) decodes its 4; the last 1-3 blocks run the scalar tail.
+// R consecutive rows (`rows` bytes apart, scales `srows` apart) against NT tokens;
+// res[r + t * os]. The last 1..7 blocks load masked (2 dwords of codes per block; the scale
+// bytes through a zeroed buffer); their zeros meet the activation's zero padding.
 template <int R, int NT>
 static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* wsc, int64_t srows,
                             int64_t K, const uint8_t* const* a, float* res, int64_t os) {
   __m256 facc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm256_setzero_ps();
-  const int64_t nblocks = K / 16, nchunk = nblocks / 8;
-  __m256 lo[R], hi[R];
+  const int64_t ng = K / kQ8x8.group_k();
+  __m256i A[R], B[R];
+  __m256 ws[R];
   const int64_t pf = prefetch_bytes();
-  for (int64_t c = 0; c < nchunk; ++c) {
-    if (pf) {  // the linear cursor of the R rows (R x 64 B codes, R x 8 B scales a chunk)
-      prefetch_lines(wrow + c * 64 * R + pf, R);
-      prefetch_lines(wsc + c * 8 * R + pf / 8, 1);
+  for (int64_t g = 0; g < ng; ++g) {
+    if (pf) {  // the linear cursor of the R rows (R x 64 B codes, R x 8 B scales a group)
+      prefetch_lines(wrow + g * 64 * R + pf, R);
+      prefetch_lines(wsc + g * 8 * R + pf / 8, 1);
     }
-    for (int r = 0; r < R; ++r) decode_scales8(wsc + r * srows + c * 8, lo[r], hi[r]);
-    half_rows<R, NT>(wrow + c * 64, rows, lo, a, c * kChunkBytes, facc);
-    half_rows<R, NT>(wrow + c * 64 + 32, rows, hi, a, c * kChunkBytes + 32, facc);
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* w = wrow + r * rows + g * 64;
+      A[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+      B[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+      ws[r] = decode_scales8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + r * srows + g * 8)));
+    }
+    group_step<R, NT>(A, B, ws, a, g * kQ8x8.group_bytes(), facc);
   }
-  if (nblocks % 8 >= 4) {
-    for (int r = 0; r < R; ++r) lo[r] = decode_scales4(wsc + r * srows + nchunk * 8);
-    half_rows<R, NT>(wrow + nchunk * 64, rows, lo, a, nchunk * kChunkBytes, facc);
+  const int left = static_cast<int>(K / 16 - 8 * ng);  // 0..7 blocks after the groups
+  if (left) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i ma = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left), lane);
+    const __m256i mb = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left - 8), lane);
+    for (int r = 0; r < R; ++r) {
+      const int* w = reinterpret_cast<const int*>(wrow + r * rows + ng * 64);
+      A[r] = _mm256_maskload_epi32(w, ma);
+      B[r] = _mm256_maskload_epi32(w + 8, mb);
+      alignas(16) uint8_t sb[16] = {};
+      std::memcpy(sb, wsc + r * srows + ng * 8, left);
+      ws[r] = decode_scales8(_mm_load_si128(reinterpret_cast<const __m128i*>(sb)));
+    }
+    group_step<R, NT>(A, B, ws, a, ng * kQ8x8.group_bytes(), facc);
   }
-  const int64_t b0 = nblocks / 4 * 4;  // first block of the scalar tail
   for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) {
-      float s = hsum8(facc[r][t]);
-      for (int64_t b = b0; b < nblocks; ++b)
-        s += tail_block(wrow + r * rows, wsc + r * srows, b, a[t]);
-      res[r + t * os] = s;
-    }
+    for (int t = 0; t < NT; ++t) res[r + t * os] = hsum8(facc[r][t]);
 }
 
 // Row r against every token, in groups of at most 4 tokens (the row comes from memory once for
@@ -186,8 +172,7 @@ static inline void row_all_tokens(const Bank& w, int64_t e, int64_t r, const uin
   }
 }
 
-// Rows in groups of 4 at one token, 1 beyond (1-core L2, K = 2048: 4 rows 24.6 GB/s, 3 rows
-// 23.6-24.3, 2 rows 22.5; 4 spill the accumulators to the stack but still win).
+// Rows in groups of 4 at one token, 1 beyond.
 static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                       const uint8_t* const* acts, int ntok, float* out, int64_t os) {
   const int64_t r1 = r0 + nrows, sb = w.K / 16;
@@ -206,7 +191,7 @@ const Kernels& kernels_avx2_vnni() {
     Kernels t = kernels_avx2();
     t.name = "avx2_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
-        FormatKernels{nvfp4_q8_bytes, avx2_vnni_tier::prep_nvfp4_q8, avx2_vnni_tier::dot_nvfp4};
+        FormatKernels{nvfp4_q8x8_bytes, avx2_vnni_tier::prep_nvfp4_q8, avx2_vnni_tier::dot_nvfp4};
     return t;
   }();
   return k;

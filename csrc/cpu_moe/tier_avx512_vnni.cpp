@@ -1,5 +1,5 @@
 // AVX-512 VNNI tier: the 512-bit NVFP4 W4A8 kernel (nvfp4_dot512.h; its vpermb variant from
-// tier_avx512_vbmi.cpp where the CPU has AVX-512 VBMI) and its SIMD activation quant (the wide
+// tier_avx512_vbmi.cpp where the CPU has AVX-512 VBMI) and its SIMD activation quant (the 16-lane
 // layout of common.h).
 // Everything else comes from the AVX-512 tier's table.
 #include <immintrin.h>
@@ -16,15 +16,15 @@ namespace ft {
 namespace avx512_vnni_tier {
 
 // ---------------------------------------------------------------------------
-// activation quant in the wide layout (bit-identical to nvfp4_q8w_prep_scalar)
+// activation quant in the 16-lane layout (bit-identical to nvfp4_q8_prep_scalar(kQ8x16))
 // ---------------------------------------------------------------------------
-static void prep_nvfp4_q8w(const float* x, int64_t K, uint8_t* out) {
-  std::memset(out, 0, nvfp4_q8w_bytes(K));
+static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
+  std::memset(out, 0, kQ8x16.bytes(K));
   const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  // dword v of the shuffled block = the 4 values vector v of the superchunk takes
+  // dword v of the shuffled block = the 4 values vector v of the group takes
   const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
   for (int64_t b = 0; b < K / 16; ++b) {
-    uint8_t* sc = out + (b / 16) * kWideBytes;
+    uint8_t* sc = out + (b / 16) * kQ8x16.group_bytes();
     const int j = static_cast<int>(b % 16);
     const __m512 v = _mm512_loadu_ps(x + b * 16);
     const float amax = _mm512_reduce_max_ps(_mm512_and_ps(v, absmask));
@@ -50,7 +50,7 @@ const Kernels& kernels_avx512_vnni() {
     Kernels t = kernels_avx512();
     t.name = "avx512_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
-        FormatKernels{nvfp4_q8w_bytes, avx512_vnni_tier::prep_nvfp4_q8w, dot};
+        FormatKernels{nvfp4_q8x16_bytes, avx512_vnni_tier::prep_nvfp4_q8, dot};
     return t;
   };
   static const Kernels plain = make(dot512::dot_nvfp4<false>);

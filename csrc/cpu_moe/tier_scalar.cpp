@@ -11,14 +11,10 @@ const Kernels& kernels_scalar() {
   return k;
 }
 
-// The scalar NVFP4 W4A8 activation quants: the references the SIMD quants must match, in the
-// chunk layout (wide = false, the 256-bit dot's) or the wide layout (the 512-bit dot's).
-void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out, bool wide) {
-  if (wide) {
-    scalar_tier::nvfp4_q8w_prep_scalar(x, K, out);
-  } else {
-    scalar_tier::nvfp4_q8_prep_scalar(x, K, out);
-  }
+// The scalar NVFP4 W4A8 activation quant, the reference the SIMD quants must match, in the
+// layout of 16 lanes (the 512-bit dot's) or 8 (the 256-bit dot's).
+void nvfp4_q8_prep_reference(const float* x, int64_t K, uint8_t* out, int lanes) {
+  scalar_tier::nvfp4_q8_prep_scalar(lanes == 16 ? kQ8x16 : kQ8x8, x, K, out);
 }
 
 }  // namespace ft

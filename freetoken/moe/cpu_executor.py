@@ -213,9 +213,10 @@ class CpuMoeExecutor:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def nvfp4_q8_reference(x: torch.Tensor, wide: bool = False) -> torch.Tensor:
-    """The scalar NVFP4 W4A8 activation quant, as raw bytes: the chunk layout of the 256-bit
-    dot (wide=False) or the wide layout of the 512-bit dot (wide=True)."""
+def nvfp4_q8_reference(x: torch.Tensor, lanes: int) -> torch.Tensor:
+    """The scalar NVFP4 W4A8 activation quant, as raw bytes, in the layout of a dot with
+    `lanes` int32 lanes: 16 (the 512-bit dot) or 8 (the 256-bit one)."""
     _check_tensor(x, "x", torch.float32, (x.shape[0],))
-    raw = _ext().nvfp4_q8_prep_reference(x.data_ptr(), x.shape[0], bool(wide))
+    _need(lanes in (16, 8), f"lanes must be 16 or 8, got {lanes!r}")
+    raw = _ext().nvfp4_q8_prep_reference(x.data_ptr(), x.shape[0], lanes)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

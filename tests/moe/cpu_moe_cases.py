@@ -64,28 +64,24 @@ def quant_int8_blocks(x: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray
     return q.astype(np.int8).reshape(-1), d.astype(np.float32)
 
 
-def unpack_nvfp4_q8(raw: torch.Tensor, K: int, wide: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Read the executor's NVFP4 W4A8 activation back into int8 q [K] and block scales: the
-    chunk layout (8 blocks, half-block lanes) or the wide one (16 blocks, whole-block lanes)."""
-    r = raw.numpy()
-    if wide:
-        ns = -(-K // 256)
-        sc = r[: ns * 384].reshape(ns, 384)
-        # v, lane j, byte i -> block j, value 8 * (v // 2) + 2 * i + v % 2
-        v = sc[:, :256].view(np.int8).reshape(ns, 2, 2, 16, 4)  # [s, half, parity, j, i]
-        q = v.transpose(0, 3, 1, 4, 2).reshape(-1)[:K]  # [s, j, half, i, parity]
-        d = sc[:, 320:384].copy().view(np.float32).reshape(-1)[: K // 16] / 128
-        bias = sc[:, 256:320].copy().view(np.int32).reshape(-1)[: K // 16]
-        per = 16
-    else:
-        nch = -(-K // 128)
-        ch = r[: nch * 256].reshape(nch, 256)
-        even, odd = ch[:, :64].view(np.int8), ch[:, 64:128].view(np.int8)
-        q = np.stack([even, odd], axis=-1).reshape(-1)[:K]
-        d = ch[:, 192:256].copy().view(np.float32)[:, ::2].reshape(-1)[: K // 16] / 128
-        bias = ch[:, 128:192].copy().view(np.int32).reshape(-1)[: K // 8]
-        per = 8
-    assert np.array_equal(bias, -12 * q.astype(np.int64).reshape(-1, per).sum(1)), "bias lanes"
+# The lane -> block order of the executor's W4A8 activation layouts, by lanes (common.h).
+Q8_ORDER = {16: list(range(16)), 8: [0, 1, 4, 5, 2, 3, 6, 7]}
+
+
+def unpack_nvfp4_q8(raw: torch.Tensor, K: int, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read the executor's NVFP4 W4A8 activation (groups of `lanes` blocks, lane m = block
+    ord[m]; vector v, lane m, byte i = value 8 * (v // 2) + 2i + v % 2) back into int8 q [K] and
+    block scales; checks the bias lanes (-12 * block sums)."""
+    L = lanes
+    ng = -(-K // (16 * L))
+    g = raw.numpy()[: ng * 24 * L].reshape(ng, 24 * L)
+    v = g[:, : 16 * L].view(np.int8).reshape(ng, 2, 2, L, 4)  # [group, half, parity, lane, i]
+    by_lane = v.transpose(0, 3, 1, 4, 2).reshape(ng, L, 16)  # [group, lane, value]
+    inv = np.argsort(Q8_ORDER[L])  # block -> lane
+    q = by_lane[:, inv].reshape(-1)[:K]
+    d = g[:, 20 * L :].copy().view(np.float32)[:, inv].reshape(-1)[: K // 16] / 128
+    bias = g[:, 16 * L : 20 * L].copy().view(np.int32)[:, inv].reshape(-1)[: K // 16]
+    assert np.array_equal(bias, -12 * q.astype(np.int64).reshape(-1, 16).sum(1)), "bias lanes"
     return q, d
 
 

@@ -106,10 +106,10 @@ def test_simd_activation_quant_matches_scalar(tier: str, K: int):
     if K == 16:
         x[:] = 3.0e-37  # below 127 / FLT_MAX: zeros
     ex = CpuMoeExecutor(1, isa=tier)
-    wide = tier == "avx512_vnni"  # the 512-bit dot's whole-block lanes
+    lanes = 16 if tier == "avx512_vnni" else 8  # the dot's int32 lanes, one block each
     simd = ex.prepared_activation(x, "nvfp4")
-    assert torch.equal(simd, nvfp4_q8_reference(x, wide))
-    q, d = unpack_nvfp4_q8(simd, K, wide)
+    assert torch.equal(simd, nvfp4_q8_reference(x, lanes))
+    q, d = unpack_nvfp4_q8(simd, K, lanes)
     q_ref, d_ref = quant_int8_blocks(x.numpy(), 16)
     assert np.array_equal(q, q_ref) and np.array_equal(d, d_ref)
     if K >= 64:
