@@ -83,6 +83,8 @@ NB_MODULE(_cpu_moe, m) {
       });
 
   m.def("supported_tiers", &ft::supported_tiers);
+  m.def("core_clock_ghz", &ft::core_clock_ghz, nb::arg("seconds") = 0.05,
+        nb::call_guard<nb::gil_scoped_release>());
   m.def("nvfp4_q8_prep_reference", [](uintptr_t x, int64_t K, int lanes) {
     if (lanes != 16 && lanes != 8) throw std::invalid_argument("lanes must be 16 or 8");
     std::vector<uint8_t> v((lanes == 16 ? ft::kQ8x16 : ft::kQ8x8).bytes(K));

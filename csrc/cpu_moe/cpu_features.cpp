@@ -7,6 +7,8 @@
 // A cap above what the CPU has falls back to the best tier below it.
 #include "cpu_features.h"
 
+#include <chrono>
+
 #include <cpuid.h>
 
 #include <cstdlib>
@@ -100,6 +102,24 @@ int64_t prefetch_bytes() {
     return (end && *end == 0 && x >= 0) ? static_cast<int64_t>(x) / 64 * 64 : int64_t{PF_DEFAULT};
   }();
   return d;
+}
+
+double core_clock_ghz(double seconds) {
+  using Clock = std::chrono::steady_clock;
+  uint64_t x = 3, n = 0;
+  const auto t0 = Clock::now();
+  double dt = 0;
+  do {
+    for (int i = 0; i < 100000; ++i) {  // 8 dependent imuls an iteration
+      asm volatile(
+          "imul %0, %0\n\timul %0, %0\n\timul %0, %0\n\timul %0, %0\n\t"
+          "imul %0, %0\n\timul %0, %0\n\timul %0, %0\n\timul %0, %0"
+          : "+r"(x));
+    }
+    n += 800000;
+    dt = std::chrono::duration<double>(Clock::now() - t0).count();
+  } while (dt < seconds);
+  return 3.0 * static_cast<double>(n) / dt / 1e9;
 }
 
 }  // namespace ft

@@ -26,4 +26,8 @@ const Kernels& select_tier(const std::string& isa, bool no_vnni, bool no_avx512v
 // Tier names this CPU can run, best first.
 std::string supported_tiers();
 
+// The calling core's clock in GHz, from a chain of dependent 64-bit multiplies (3 cycles each
+// on every x86-64 core since Sandy Bridge) run for about `seconds`: the benchmark's B/cycle.
+double core_clock_ghz(double seconds);
+
 }  // namespace ft

@@ -1,18 +1,24 @@
 """`ft bench cpu-moe`: the CPU MoE executor's GB/s per ISA tier, next to the machine's ceiling.
 
 Measured in one run, per tier:
-- one NVFP4 dot at K = 2048 on one core with its weights in L2 (a ~1 MiB matrix), and on all
-  threads from DRAM (a matrix several times larger than the last-level cache);
+- one NVFP4 dot at K = 2048 on one core with its weights in L2 (a ~1 MiB matrix): the best and
+  the median of L2_TRIALS runs of about a millisecond (on a shared virtual machine a neighbour
+  on the same physical core slows some runs; the best is the kernel's own speed), also in
+  bytes per cycle of the core's clock, measured by the same tool;
+- one NVFP4 dot on all threads from DRAM (a matrix several times larger than the last-level
+  cache), PASSES runs of one sweep each;
 - whole layers (bytes of the experts touched, block scales included, / time) for three shapes
-  at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM (the
-  best of LAYER_RUNS runs of MIN_SECONDS each, fresh routing per run);
+  at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM, LAYER_RUNS
+  runs of MIN_SECONDS each with fresh routing;
 - the streaming-read ceiling: AVX-512 streaming loads (AVX2 where absent) on all threads over
-  a buffer far larger than the last-level cache. Every figure is also given as a percentage of
-  that ceiling.
-The ceiling must not be under-measured (a low ceiling flatters every ratio): it is the best of
-PASSES full sweeps over a buffer of up to 8 GiB (a quarter of the available memory at most,
-4x the LLC at least), the pool's workers pinned to cores; the DRAM dot sweeps the same buffer
-the same way, so the two compare like for like.
+  the DRAM buffer, software prefetch at each distance of CEILING_PREFETCH, the best of PASSES
+  sweeps each, at the start.
+The host's read bandwidth moves during a run (a shared machine: on the GPU host, sweeps of one
+run ranged 96-144 GB/s), so a ratio against a ceiling measured at another moment is noise.
+Each run of a DRAM figure is therefore paired: a ceiling sweep (the best distance of the start,
+ADJ_PASSES passes) right before and right after it, and the run's share is its GB/s over the
+higher of the two. A figure's GB/s is its best run, its % the best paired share. The 1-core L2
+dot is compared with one core's streaming read.
 """
 
 from __future__ import annotations
@@ -46,9 +52,12 @@ SHAPES = (
 )
 BATCHES = (1, 2, 4, 8)
 GiB = 1 << 30
-MIN_SECONDS = 0.25  # each figure: repeat until at least this long
-PASSES = 5  # DRAM sweeps: the best of this many full passes
-LAYER_RUNS = 3  # whole layers: the best of this many runs of MIN_SECONDS each
+MIN_SECONDS = 0.25  # each layer run: repeat until at least this long
+PASSES = 5  # DRAM: the start's ceiling is the best of this many sweeps; the dot runs this often
+ADJ_PASSES = 2  # the paired ceiling sweeps around each run: the best of this many
+LAYER_RUNS = 3  # whole layers: this many runs of MIN_SECONDS each
+L2_TRIALS = 300  # the 1-core L2 dot: runs of about L2_RUN_SECONDS
+L2_RUN_SECONDS = 0.001
 
 
 # ---------------------------------------------------------------------------
@@ -143,28 +152,60 @@ def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int,
     )
 
 
-# Re-sweeps between figures (fewer distances and passes, to stay cheap).
-RESWEEP_PREFETCH, RESWEEP_PASSES = (0, 4096, 8192), 2
+class Ceiling:
+    """The streaming-read ceiling of the DRAM buffer on `threads` threads: measured in full at
+    the start (every distance, PASSES sweeps), then swept around each run of a DRAM figure."""
+
+    def __init__(self, ex: CpuMoeExecutor, buf: torch.Tensor, threads: int):
+        self.ex, self.buf, self.threads = ex, buf, threads
+        per = {d: ceiling(ex, buf, threads, (d,)) for d in CEILING_PREFETCH}
+        self.distance = max(per, key=per.get)
+        self.start = per[self.distance]
+        self.sweeps: list[float] = []
+
+    def sweep(self) -> float:
+        c = ceiling(self.ex, self.buf, self.threads, (self.distance,), ADJ_PASSES)
+        self.sweeps.append(c)
+        return c
 
 
-def dot_l2(ex: CpuMoeExecutor) -> float:
+@dataclass
+class Figure:
+    gbps: float  # the best run
+    pct: float  # the best run's share of the higher of its two adjacent sweeps, in %
+
+
+def paired(run, ceil: Ceiling, runs: int) -> Figure:
+    """`runs` calls of run() -> GB/s, each between two ceiling sweeps (shared by neighbours)."""
+    before = ceil.sweep()
+    best, pct = 0.0, 0.0
+    for _ in range(runs):
+        g = run()
+        after = ceil.sweep()
+        best, pct = max(best, g), max(pct, 100 * g / max(before, after))
+        before = after
+    return Figure(best, pct)
+
+
+def dot_l2(ex: CpuMoeExecutor) -> tuple[float, float]:
+    """(best, median) GB/s of the 1-core L2 dot over L2_TRIALS short runs."""
     K, N = 2048, 896  # 896 rows x 1152 B = 1 MiB: fits a 2 MiB L2
     w = nvfp4_bank(1, N, K, 7)
     x = torch.randn(K)
     bank = make_bank(w, "w")
-    best = 0.0
-    for _ in range(LAYER_RUNS):  # best run of >= MIN_SECONDS, as the other figures
-        t, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, 1))
-        best = max(best, w.nbytes() * it / t / 1e9)
-    return best
+    _, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, 1), L2_RUN_SECONDS)
+    runs = sorted(w.nbytes() * it / ex._ex.time_dot(bank, 0, x.data_ptr(), it, 1) / 1e9
+                  for _ in range(L2_TRIALS))
+    return runs[-1], runs[len(runs) // 2]
 
 
-def dot_dram(ex: CpuMoeExecutor, w: QuantWeight) -> float:
-    """One token against the whole DRAM matrix on all threads: best of PASSES sweeps, as the
-    ceiling."""
+def dot_dram(ex: CpuMoeExecutor, w: QuantWeight, ceil: Ceiling) -> Figure:
+    """One token against the whole DRAM matrix on all threads: PASSES runs of one pass."""
     x = torch.randn(w.shape[-1])
     bank = make_bank(w, "w")
-    return _best(lambda: ex._ex.time_dot(bank, 0, x.data_ptr(), 1, ex.num_threads), w.nbytes())
+    ex._ex.time_dot(bank, 0, x.data_ptr(), 1, ex.num_threads)  # warm-up
+    return paired(lambda: w.nbytes() / ex._ex.time_dot(bank, 0, x.data_ptr(), 1, ex.num_threads)
+                  / 1e9, ceil, PASSES)
 
 
 class LayerBench:
@@ -193,7 +234,7 @@ class LayerBench:
         route = torch.full((iters, T, k), 1.0 / k)
         return ids.to(torch.int32).contiguous(), route, touched * self.expert_bytes
 
-    def gbps(self, ex: CpuMoeExecutor, T: int) -> float:
+    def gbps(self, ex: CpuMoeExecutor, T: int, ceil: Ceiling) -> Figure:
         x = torch.randn(T, self.shape.hidden)
         out = torch.empty(T, self.shape.hidden)
 
@@ -206,11 +247,13 @@ class LayerBench:
 
         t, _ = run(4, 0)  # warm-up and an estimate of one call
         iters = max(8, min(4000, int(MIN_SECONDS / max(t / 4, 1e-6))))
-        best = 0.0
-        for seed in range(1, 1 + LAYER_RUNS):  # best run, as the ceiling's best sweep
-            t, nbytes = run(iters, seed)
-            best = max(best, nbytes / t / 1e9)
-        return best
+        seeds = iter(range(1, 1 + LAYER_RUNS))
+
+        def one() -> float:  # fresh routing each run
+            t, nbytes = run(iters, next(seeds))
+            return nbytes / t / 1e9
+
+        return paired(one, ceil, LAYER_RUNS)
 
 
 # ---------------------------------------------------------------------------
@@ -240,25 +283,30 @@ def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> 
     t0 = time.time()
     big = nvfp4_bank(1, budget // 1152, 2048, 3)  # K = 2048 rows of 1152 B
     best = CpuMoeExecutor(threads, isa=tiers[0])
-    res = {"threads": threads, "tiers": tiers, "dram_bytes": big.nbytes(),
-           "ceiling_gbps": ceiling(best, big.data, threads),
-           "ceiling_1thread_gbps": ceiling(best, big.data, 1), "figures": {}}
-    log(f"read ceiling ({best.isa} stream loads): {res['ceiling_gbps']:.1f} GB/s on {threads} "
-        f"threads, {res['ceiling_1thread_gbps']:.1f} GB/s on one")
-    figs: dict[str, dict[str, float]] = {}
+    ceil = Ceiling(best, big.data, threads)
+    from freetoken import _cpu_moe
 
-    def resweep() -> None:
-        # A host's bandwidth moves during a run (seen on the GPU host: figures above a ceiling
-        # swept once at the start). The ceiling is the best of every sweep made in the run.
-        c = ceiling(best, big.data, threads, RESWEEP_PREFETCH, RESWEEP_PASSES)
-        res["ceiling_gbps"] = max(res["ceiling_gbps"], c)
-        res.setdefault("ceiling_sweeps_gbps", []).append(c)
+    res = {"threads": threads, "tiers": tiers, "dram_bytes": big.nbytes(),
+           "ceiling_gbps": ceil.start, "ceiling_prefetch": ceil.distance,
+           "ceiling_1thread_gbps": ceiling(best, big.data, 1),
+           "core_clock_ghz": _cpu_moe.core_clock_ghz(0.2), "figures": {}, "percent": {}}
+    log(f"read ceiling ({best.isa} stream loads): {res['ceiling_gbps']:.1f} GB/s on {threads} "
+        f"threads, {res['ceiling_1thread_gbps']:.1f} GB/s on one; core clock "
+        f"{res['core_clock_ghz']:.2f} GHz")
+    figs, pcts = res["figures"], res["percent"]
+
+    def put(name: str, tier: str, gbps: float, pct: float) -> None:
+        figs.setdefault(name, {})[tier] = gbps
+        pcts.setdefault(name, {})[tier] = pct
 
     for tier in tiers:
         ex = CpuMoeExecutor(threads, isa=tier)
-        figs.setdefault("dot K=2048, 1 core, L2", {})[tier] = dot_l2(ex)
-        figs.setdefault(f"dot K=2048, {threads} thr, DRAM", {})[tier] = dot_dram(ex, big)
-        resweep()
+        top, median = dot_l2(ex)
+        one = res["ceiling_1thread_gbps"]
+        put("dot K=2048, 1 core, L2", tier, top, 100 * top / one)
+        put("  (median of the runs)", tier, median, 100 * median / one)
+        f = dot_dram(ex, big, ceil)
+        put(f"dot K=2048, {threads} thr, DRAM", tier, f.gbps, f.pct)
         log(f"  {tier}: dots done ({time.time() - t0:.0f} s)")
     for shape in SHAPES:
         lb = LayerBench(shape, budget)
@@ -268,28 +316,38 @@ def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> 
         for tier in tiers:
             ex = CpuMoeExecutor(threads, isa=tier)
             for T in BATCHES:
-                figs.setdefault(f"{shape.label} bs={T}", {})[tier] = lb.gbps(ex, T)
+                f = lb.gbps(ex, T, ceil)
+                put(f"{shape.label} bs={T}", tier, f.gbps, f.pct)
         log(f"  {shape.label} ({shape.model}, {lb.layers} layers x {lb.experts} experts): done "
             f"({time.time() - t0:.0f} s)")
         del lb
-        resweep()
-    res["figures"] = figs
+    res["ceiling_sweeps_gbps"] = ceil.sweeps
     res["seconds"] = time.time() - t0
     return res
 
 
 def format_table(res: dict) -> str:
-    c = res["ceiling_gbps"]
     tiers = res["tiers"]
     head = f"{'GB/s (% of ceiling)':<28}" + "".join(f"{t:>18}" for t in tiers)
     lines = [head, "-" * len(head)]
     for name, row in res["figures"].items():
-        cells = "".join(f"{row[t]:>9.1f} ({100 * row[t] / c:>4.0f}%)" for t in tiers)
+        pct = res["percent"][name]
+        cells = "".join(f"{row[t]:>9.1f} ({pct[t]:>4.0f}%)" for t in tiers)
         lines.append(f"{name:<28}{cells}")
-    sweeps = ", ".join(f"{x:.0f}" for x in res.get("ceiling_sweeps_gbps", []))
-    lines.append(f"read ceiling: {c:.1f} GB/s on {res['threads']} threads, the best of every "
-                 f"sweep in the run (re-sweeps: {sweeps}) ({res['ceiling_1thread_gbps']:.1f} on "
-                 f"one); {res['seconds']:.0f} s")
+    sw = res["ceiling_sweeps_gbps"] or [res["ceiling_gbps"]]
+    ghz = res["core_clock_ghz"]
+    l2 = res["figures"]["dot K=2048, 1 core, L2"]
+    per_cycle = ", ".join(f"{t} {l2[t] / ghz:.1f}" for t in tiers)
+    lines += [
+        f"1-core L2 rows: best and median of {L2_TRIALS} runs of ~{L2_RUN_SECONDS * 1e3:.0f} ms, "
+        f"% of one core's streaming read ({res['ceiling_1thread_gbps']:.1f} GB/s); "
+        f"B/cycle at the measured {ghz:.2f} GHz: {per_cycle}",
+        f"other rows: best run, % = best run / the higher of the ceiling sweeps just before and "
+        f"after it; read ceiling on {res['threads']} threads: {res['ceiling_gbps']:.1f} GB/s at "
+        f"the start (prefetch {res['ceiling_prefetch']} B), {len(sw)} paired sweeps "
+        f"{min(sw):.0f}-{max(sw):.0f} GB/s (median {sorted(sw)[len(sw) // 2]:.0f}); "
+        f"{res['seconds']:.0f} s",
+    ]
     return "\n".join(lines)
 
 

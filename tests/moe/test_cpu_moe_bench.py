@@ -23,13 +23,18 @@ def test_bench_cpu_moe_small(monkeypatch, tmp_path, capsys):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["tiers"][-1] == "scalar" and len(res["tiers"]) == 2
-    assert res["ceiling_gbps"] > 0
+    assert res["ceiling_gbps"] > 0 and res["core_clock_ghz"] > 0
+    # every DRAM run is bracketed by ceiling sweeps: 2 tiers' dots (PASSES runs) + 2 layer
+    # batches x LAYER_RUNS per tier, one sweep more per figure than runs
+    figures = 2 * (cpu_bench.PASSES + 1) + 2 * 2 * (cpu_bench.LAYER_RUNS + 1)
+    assert len(res["ceiling_sweeps_gbps"]) == figures
+    assert set(res["percent"]) == set(res["figures"])
     for name, row in res["figures"].items():
         for tier in res["tiers"]:
-            assert row[tier] > 0, (name, tier)
+            assert row[tier] > 0 and res["percent"][name][tier] > 0, (name, tier)
     assert set(res["figures"]) >= {"2048x512 top8 bs=1", "2048x512 top8 bs=3"}
     text = capsys.readouterr().out
-    assert "read ceiling" in text and "%)" in text
+    assert "read ceiling" in text and "%)" in text and "B/cycle" in text
 
 
 def test_bench_needs_a_name(capsys):
