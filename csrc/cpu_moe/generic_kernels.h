@@ -99,15 +99,42 @@ static void decode_mxfp4_seg(const Bank& w, int64_t e, int64_t r, int64_t k0, in
     }
   }
 }
-static void decode_fp8_seg(const Bank& w, int64_t e, int64_t r, int64_t k0, int n, float* o) {
+// The fp32 value of every E4M3 byte.
+static const float* e4m3_table() {
   static const struct Lut {
     float v[256];
     Lut() { for (int i = 0; i < 256; ++i) v[i] = e4m3_to_f32(static_cast<uint8_t>(i)); }
   } lut;
+  return lut.v;
+}
+
+// The fp32 W4A16 NVFP4 dot of the SIMD tiers without VNNI: each row against the tokens in
+// groups of at most 4. Row::run<NT>(row codes, row scales, K, acts, res, os) is the tier's
+// one-row kernel.
+template <class Row>
+static void dot_nvfp4_rows(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
+                           const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const uint8_t* wrow = w.row(e, r);
+    const uint8_t* wsc = w.scales + (e * w.N + r) * (w.K / 16);
+    float* o = out + (r - r0);
+    int t = 0;
+    for (; t + 4 <= ntok; t += 4) Row::template run<4>(wrow, wsc, w.K, acts + t, o + t * os, os);
+    switch (ntok - t) {
+      case 3: Row::template run<3>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
+      case 2: Row::template run<2>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
+      case 1: Row::template run<1>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
+      default: break;
+    }
+  }
+}
+
+static void decode_fp8_seg(const Bank& w, int64_t e, int64_t r, int64_t k0, int n, float* o) {
+  const float* lut = e4m3_table();
   const uint8_t* p = w.row(e, r) + k0;
   const int64_t nbk = (w.K + 127) / 128, nbn = (w.N + 127) / 128;
   const float* s = reinterpret_cast<const float*>(w.scales) + (e * nbn + r / 128) * nbk;
-  for (int i = 0; i < n; ++i) o[i] = lut.v[p[i]] * s[(k0 + i) / 128];
+  for (int i = 0; i < n; ++i) o[i] = lut[p[i]] * s[(k0 + i) / 128];
 }
 
 using SegDecoder = void (*)(const Bank&, int64_t, int64_t, int64_t, int, float*);

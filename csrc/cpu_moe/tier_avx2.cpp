@@ -29,11 +29,6 @@ static uint64_t stream_read_avx2(const uint8_t* p, int64_t n, int64_t dist) {
 // NVFP4 fp32 W4A16 (CPUs without VNNI): 8 codes -> |E2M1| with one vpermps, the sign bit
 // moved in by a shift, times the block's E4M3 scale; FMA with fp32 activations.
 // ---------------------------------------------------------------------------
-static const struct E4m3Lut {
-  float v[256];
-  E4m3Lut() { for (int i = 0; i < 256; ++i) v[i] = e4m3_to_f32(static_cast<uint8_t>(i)); }
-} kE4m3;
-
 static inline __m256 decode8(__m128i bytes4x2, __m256 table) {  // 8 dup'd bytes -> 8 values
   const __m256i shifts = _mm256_set_epi32(4, 0, 4, 0, 4, 0, 4, 0);
   const __m256i code = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(bytes4x2), shifts);
@@ -42,54 +37,41 @@ static inline __m256 decode8(__m128i bytes4x2, __m256 table) {  // 8 dup'd bytes
   return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
 }
 
-template <int NT>
-static inline void nvfp4_row_f32(const uint8_t* wrow, const uint8_t* wsc, int64_t K,
-                                 const uint8_t* const* a, float* res, int64_t os) {
-  const __m256 table = _mm256_loadu_ps(kE2M1);
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 16; ++b) {
-    const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + b * 8));
-    const __m128i dup = _mm_unpacklo_epi8(by, by);
-    const __m256 s = _mm256_set1_ps(kE4m3.v[wsc[b]]);
-    const __m256 w0 = _mm256_mul_ps(decode8(dup, table), s);
-    const __m256 w1 = _mm256_mul_ps(decode8(_mm_unpackhi_epi64(dup, dup), table), s);
+struct RowF32 {  // one row against NT tokens (dot_nvfp4_rows of generic_kernels.h)
+  template <int NT>
+  static void run(const uint8_t* wrow, const uint8_t* wsc, int64_t K, const uint8_t* const* a,
+                  float* res, int64_t os) {
+    const float* e4m3 = e4m3_table();
+    const __m256 table = _mm256_loadu_ps(kE2M1);
+    __m256 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 16; ++b) {
+      const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + b * 8));
+      const __m128i dup = _mm_unpacklo_epi8(by, by);
+      const __m256 s = _mm256_set1_ps(e4m3[wsc[b]]);
+      const __m256 w0 = _mm256_mul_ps(decode8(dup, table), s);
+      const __m256 w1 = _mm256_mul_ps(decode8(_mm_unpackhi_epi64(dup, dup), table), s);
+      for (int t = 0; t < NT; ++t) {
+        const float* x = reinterpret_cast<const float*>(a[t]) + b * 16;
+        acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t]);
+        acc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t]);
+      }
+    }
     for (int t = 0; t < NT; ++t) {
-      const float* x = reinterpret_cast<const float*>(a[t]) + b * 16;
-      acc[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[t]);
-      acc[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + 8), acc[t]);
+      __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
+      v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+      res[t * os] = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[t]), _mm256_extractf128_ps(acc[t], 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    res[t * os] = _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
-  }
-}
+};
 
-static void dot_nvfp4_f32(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                          const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const uint8_t* wrow = w.row(e, r);
-    const uint8_t* wsc = w.scales + (e * w.N + r) * (w.K / 16);
-    float* o = out + (r - r0);
-    int t = 0;
-    for (; t + 4 <= ntok; t += 4) nvfp4_row_f32<4>(wrow, wsc, w.K, acts + t, o + t * os, os);
-    switch (ntok - t) {
-      case 3: nvfp4_row_f32<3>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      case 2: nvfp4_row_f32<2>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      case 1: nvfp4_row_f32<1>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      default: break;
-    }
-  }
-}
 }  // namespace avx2_tier
 
 const Kernels& kernels_avx2() {
   static const Kernels k = [] {
     Kernels t = avx2_tier::make_generic_table("avx2_fp32");
     t.stream_read = avx2_tier::stream_read_avx2;
-    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = avx2_tier::dot_nvfp4_f32;
+    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = avx2_tier::dot_nvfp4_rows<avx2_tier::RowF32>;
     return t;
   }();
   return k;

@@ -28,51 +28,33 @@ static uint64_t stream_read_avx512(const uint8_t* p, int64_t n, int64_t dist) {
 // NVFP4 fp32 W4A16 (CPUs without VNNI): 16 codes -> fp32 with one vpermps from the E2M1
 // table, times the block's E4M3 scale, FMA with fp32 activations. 16 lanes per token.
 // ---------------------------------------------------------------------------
-static const struct E4m3Lut {
-  float v[256];
-  E4m3Lut() { for (int i = 0; i < 256; ++i) v[i] = e4m3_to_f32(static_cast<uint8_t>(i)); }
-} kE4m3;
-
-template <int NT>
-static inline void nvfp4_row_f32(const uint8_t* wrow, const uint8_t* wsc, int64_t K,
-                                 const uint8_t* const* a, float* res, int64_t os) {
-  const __m512 table = _mm512_loadu_ps(kE2M1);
-  const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / 16; ++b) {
-    const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + b * 8));
-    const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(by, by)), shifts);
-    const __m512 w = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), _mm512_set1_ps(kE4m3.v[wsc[b]]));
-    for (int t = 0; t < NT; ++t)
-      acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(reinterpret_cast<const float*>(a[t]) + b * 16), acc[t]);
-  }
-  for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(acc[t]);
-}
-
-static void dot_nvfp4_f32(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                          const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const uint8_t* wrow = w.row(e, r);
-    const uint8_t* wsc = w.scales + (e * w.N + r) * (w.K / 16);
-    float* o = out + (r - r0);
-    int t = 0;
-    for (; t + 4 <= ntok; t += 4) nvfp4_row_f32<4>(wrow, wsc, w.K, acts + t, o + t * os, os);
-    switch (ntok - t) {
-      case 3: nvfp4_row_f32<3>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      case 2: nvfp4_row_f32<2>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      case 1: nvfp4_row_f32<1>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      default: break;
+struct RowF32 {  // one row against NT tokens (dot_nvfp4_rows of generic_kernels.h)
+  template <int NT>
+  static void run(const uint8_t* wrow, const uint8_t* wsc, int64_t K, const uint8_t* const* a,
+                  float* res, int64_t os) {
+    const float* e4m3 = e4m3_table();
+    const __m512 table = _mm512_loadu_ps(kE2M1);
+    const __m512i shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    __m512 acc[NT];
+    for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 16; ++b) {
+      const __m128i by = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wrow + b * 8));
+      const __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(by, by)), shifts);
+      const __m512 w = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), _mm512_set1_ps(e4m3[wsc[b]]));
+      for (int t = 0; t < NT; ++t)
+        acc[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(reinterpret_cast<const float*>(a[t]) + b * 16), acc[t]);
     }
+    for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(acc[t]);
   }
-}
+};
+
 }  // namespace avx512_tier
 
 const Kernels& kernels_avx512() {
   static const Kernels k = [] {
     Kernels t = avx512_tier::make_generic_table("avx512_fp32");
     t.stream_read = avx512_tier::stream_read_avx512;
-    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = avx512_tier::dot_nvfp4_f32;
+    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = avx512_tier::dot_nvfp4_rows<avx512_tier::RowF32>;
     return t;
   }();
   return k;
