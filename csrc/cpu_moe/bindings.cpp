@@ -1,6 +1,7 @@
 // Python bindings (nanobind): raw pointers (ints) and shapes in, the GIL released around
 // every call that computes. freetoken/moe/cpu_executor.py checks arguments before calling.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 
 #include "cpu_features.h"

@@ -88,34 +88,6 @@ static void for_each_piece(const Split& sp, int64_t u, int64_t rows, Fn&& fn) {
   }
 }
 
-// Gate and up, then GLU and the down input, in one pool run (one barrier). Units are runs of
-// the experts' 2I rows (split_rows); the thread whose rows complete an expert applies the GLU
-// to h[p][:I] for that expert's pairs and prepares aq[p] (the same work whichever thread it
-// is, so results do not depend on the thread count).
-void Executor::gate_up_glu(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
-                           float* h, uint8_t* aq, int64_t as) {
-  const int64_t N = a.w13.N, I = N / 2, nact = static_cast<int64_t>(rt.experts.size());
-  const Split sp = split_rows(N * nact, pool_.size());
-  const DotFn dot = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
-  const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
-  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[nact]);
-  for (int64_t i = 0; i < nact; ++i) done[i].store(0, std::memory_order_relaxed);
-  pool_.run(sp.n, [&](int64_t u) {
-    for_each_piece(sp, u, N, [&](int64_t ei, int64_t r0, int64_t r1) {
-      const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
-      dot(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
-          2 * I);
-      if (done[ei].fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N) return;
-      const float* s = a.scales + e * 4;
-      for (int64_t p = p0; p < p1; ++p) {
-        float* g = h + p * 2 * I;
-        for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
-        prep2(g, I, aq + p * as);
-      }
-    });
-  });
-}
-
 // y[t, c0:c1] = sum_j route[t, j] * d[p(t, j), c0:c1] * s_down, in j order (fixed order).
 static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, const float* d,
                         int64_t c0, int64_t c1) {
@@ -138,31 +110,64 @@ static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, co
   }
 }
 
-// Down and the weighted sum over each token's k experts, in one pool run. Units are runs of
-// the experts' H rows (split_rows), d[p, rows] = aq[p] W_d[e, rows]^T; output block b (rows
-// b * kReduceRows ...) is reduced by the thread whose rows complete it for every expert (a
-// row count per block), so the reduction still sees every d it needs and sums in j order.
-void Executor::down_reduce(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts,
-                           float* d) {
-  const int64_t H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
+// Both halves of a layer in one pool run (one barrier, no gap between them). Items [0, n1)
+// are units of the experts' 2I gate/up rows (split_rows), h[p] = [x W_g^T | x W_u^T]; the
+// thread whose rows complete an expert applies the GLU to h[p][:I] for that expert's pairs,
+// prepares the down input aq[p] and marks the expert ready. Items [n1, n1 + n2) are units of
+// the experts' H down rows, d[p, rows] = aq[p] W_d[e, rows]^T, each waiting until its
+// experts are ready: items are claimed in increasing order, so every gate/up unit is already
+// running on some thread and none of those waits (no deadlock, on one thread too), and the
+// experts ascend, so the first down units find their experts ready while the last gate/up
+// units still run. Output block b (rows b * kReduceRows ...) is reduced by the thread whose
+// down rows complete it for every expert (a row count per block), in j order. All of this is
+// the same arithmetic whichever thread does it: results do not depend on the thread count.
+void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
+                     uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d) {
+  const int64_t N = a.w13.N, I = N / 2, H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
   const int64_t nblk = (H + kReduceRows - 1) / kReduceRows;
-  const Split sp = split_rows(H * nact, pool_.size());
-  const DotFn dot = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
-  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[nblk]);
-  for (int64_t i = 0; i < nblk; ++i) done[i].store(0, std::memory_order_relaxed);
-  pool_.run(sp.n, [&](int64_t u) {
-    for_each_piece(sp, u, H, [&](int64_t ei, int64_t r0, int64_t r1) {
+  const Split sp1 = split_rows(N * nact, pool_.size()), sp2 = split_rows(H * nact, pool_.size());
+  const DotFn dot1 = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
+  const DotFn dot2 = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
+  const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
+  std::unique_ptr<std::atomic<int64_t>[]> rows_done(new std::atomic<int64_t>[nact]);
+  std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[nact]);
+  std::unique_ptr<std::atomic<int64_t>[]> blk_done(new std::atomic<int64_t>[nblk]);
+  for (int64_t i = 0; i < nact; ++i) {
+    rows_done[i].store(0, std::memory_order_relaxed);
+    ready[i].store(0, std::memory_order_relaxed);
+  }
+  for (int64_t b = 0; b < nblk; ++b) blk_done[b].store(0, std::memory_order_relaxed);
+  auto item_fn = [&](int64_t item) {
+    if (item < sp1.n) {
+      for_each_piece(sp1, item, N, [&](int64_t ei, int64_t r0, int64_t r1) {
+        const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
+        dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
+             2 * I);
+        if (rows_done[ei].fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N) return;
+        const float* s = a.scales + e * 4;
+        for (int64_t p = p0; p < p1; ++p) {
+          float* g = h + p * 2 * I;
+          for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
+          prep2(g, I, aq + p * as);
+        }
+        ready[ei].store(1, std::memory_order_release);
+      });
+      return;
+    }
+    for_each_piece(sp2, item - sp1.n, H, [&](int64_t ei, int64_t r0, int64_t r1) {
+      wait_until_set(ready[ei]);
       const int64_t p0 = rt.p0[ei];
-      dot(a.w2, rt.experts[ei], r0, r1 - r0, acts + p0, static_cast<int>(rt.p0[ei + 1] - p0),
-          d + p0 * H + r0, H);
+      dot2(a.w2, rt.experts[ei], r0, r1 - r0, acts2 + p0, static_cast<int>(rt.p0[ei + 1] - p0),
+           d + p0 * H + r0, H);
       for (int64_t b = r0 / kReduceRows; b * kReduceRows < r1; ++b) {
         const int64_t c0 = b * kReduceRows, c1 = std::min(H, c0 + kReduceRows);
         const int64_t got = std::min(r1, c1) - std::max(r0, c0);
-        if (done[b].fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
+        if (blk_done[b].fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
           reduce_rows(a, rt.pidx, d, c0, c1);
       }
     });
-  });
+  };
+  pool_.run(sp1.n + sp2.n, item_fn);
 }
 
 void Executor::forward(const LayerArgs& a) {
@@ -195,17 +200,15 @@ void Executor::forward(const LayerArgs& a) {
   auto** ptr = reinterpret_cast<const uint8_t**>(ptrs_.get(P * sizeof(void*)));
   for (int64_t p = 0; p < P; ++p) ptr[p] = xq + (order[p] / a.k) * xs;
 
-  // 2. gate and up: h[p] = [x W_g^T | x W_u^T] ([P, 2I]), GLU in place, the down input aq[p]
+  // 2. gate/up -> GLU -> the down input aq[p] ([P, 2I] h), then down d[p] ([P, H]) and
+  //    y[t] = sum_j route[t, j] * d[p(t, j)] * s_down, in one pool run
   float* h = reinterpret_cast<float*>(h_.get(P * 2 * I * 4));
   const int64_t as = act_stride(*k_, a.w2.fmt, I);
   uint8_t* aq = aq_.get(P * as);
-  gate_up_glu(a, rt, ptr, h, aq, as);
   auto** ptr2 = reinterpret_cast<const uint8_t**>(ptrs2_.get(P * sizeof(void*)));
   for (int64_t p = 0; p < P; ++p) ptr2[p] = aq + p * as;
-
-  // 3. down d[p] = glu[p] W_d^T ([P, H]) and y[t] = sum_j route[t, j] * d[p(t, j)] * s_down
   float* d = reinterpret_cast<float*>(d_.get(P * H * 4));
-  down_reduce(a, rt, ptr2, d);
+  layer(a, rt, ptr, h, aq, as, ptr2, d);
 }
 
 // ============================================================================
@@ -228,10 +231,12 @@ void Executor::dot(const Bank& w, int64_t e, const float* x, int64_t T, float* o
   auto** ptr = reinterpret_cast<const uint8_t**>(ptrs_.get(T * sizeof(void*)));
   for (int64_t t = 0; t < T; ++t) ptr[t] = xq + t * xs;
   const DotFn dot = k_->fmt[static_cast<int>(w.fmt)].dot;
-  // One contiguous run of rows (and of their scales) per thread: each thread reads one long
-  // stream instead of 64-row blocks interleaved with the others'. Run i is rows
+  // kUnitsPerThread contiguous runs of rows (and of their scales) per thread, claimed in
+  // order: each is one long stream, and a thread slowed by a neighbour on its core takes
+  // fewer (on the GPU host, 112-118 GB/s against 85-93 with one run per thread). Run i is rows
   // [N * i / n, N * (i + 1) / n) rounded to 4 rows (a row's result does not depend on it).
-  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, pool_.size()));
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, pool_.size()));
+  const int64_t n = nt == 1 ? 1 : nt * kUnitsPerThread;
   auto run = [&](int64_t i) {
     const int64_t r0 = w.N * i / n / 4 * 4, r1 = i + 1 == n ? w.N : w.N * (i + 1) / n / 4 * 4;
     if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N);
@@ -262,16 +267,26 @@ double Executor::time_dot(const Bank& w, int64_t e, const float* x, int64_t iter
   return seconds_since(t0);
 }
 
-double Executor::time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads,
-                             int64_t dist) {
+std::pair<double, int64_t> Executor::time_stream(const uint8_t* p, int64_t n, int64_t iters,
+                                                 int threads, int64_t dist) {
   threads = std::max(1, std::min(threads, pool_.size()));
-  const int64_t slice = n / threads / 256 * 256;
+  // On the whole pool, kUnitsPerThread slices per thread claimed in order, as the dots and
+  // layers split their rows; on fewer threads, one slice each.
+  const int64_t items = threads == pool_.size() && threads > 1 ? threads * kUnitsPerThread : threads;
+  const int64_t slice = n / items / 256 * 256;
   const auto t0 = Clock::now();
-  for (int64_t i = 0; i < iters; ++i)
-    pool_.run_per_thread([&](int tid) {
-      if (tid < threads) g_sink.fetch_xor(k_->stream_read(p + tid * slice, slice, dist));
-    });
-  return seconds_since(t0);
+  for (int64_t i = 0; i < iters; ++i) {
+    if (items > threads) {
+      pool_.run(items, [&](int64_t it) {
+        g_sink.fetch_xor(k_->stream_read(p + it * slice, slice, dist));
+      });
+    } else {
+      pool_.run_per_thread([&](int tid) {
+        if (tid < threads) g_sink.fetch_xor(k_->stream_read(p + tid * slice, slice, dist));
+      });
+    }
+  }
+  return {seconds_since(t0), iters * items * slice};
 }
 
 }  // namespace ft

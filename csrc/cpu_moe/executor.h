@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -60,8 +61,10 @@ class Executor {
   double time_forward(LayerArgs a, const int32_t* ids, const float* route, int64_t iters);
   // Seconds for `iters` dots of one token over all rows of expert e.
   double time_dot(const Bank& w, int64_t e, const float* x, int64_t iters, int threads);
-  // Seconds for `iters` streaming reads of n bytes (64-aligned) split over `threads` threads.
-  double time_stream(const uint8_t* p, int64_t n, int64_t iters, int threads, int64_t dist);
+  // (seconds, bytes read) for `iters` streaming reads of up to n bytes split over `threads`
+  // threads, software-prefetching `dist` bytes ahead.
+  std::pair<double, int64_t> time_stream(const uint8_t* p, int64_t n, int64_t iters,
+                                         int threads, int64_t dist);
 
  private:
   void prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, uint8_t* out,
@@ -70,9 +73,8 @@ class Executor {
   struct Routing {
     std::vector<int64_t> experts, p0, pidx;
   };
-  void gate_up_glu(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
-                   uint8_t* aq, int64_t as);
-  void down_reduce(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* d);
+  void layer(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
+             uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d);
 
   ThreadPool pool_;
   const Kernels* k_;

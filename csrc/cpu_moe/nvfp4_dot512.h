@@ -101,6 +101,10 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int64_t left = K / 16 - 16 * ns;  // 0..15 blocks after the groups
   if (left) {
+    if (pf) {  // the cursor's last stretch: left x 8 B codes, left B scales per row
+      prefetch_lines(wrow + ns * 128 * R + pf, static_cast<int>((left * 8 * R + 63) / 64));
+      prefetch_lines(wsc + ns * 16 * R + pf / 8, static_cast<int>((left * R + 63) / 64));
+    }
     const int64_t nb = left * 8;  // their code bytes, 8..120
     const __mmask64 ma = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
     const __mmask64 mb = nb <= 64 ? 0ULL : (1ULL << (nb - 64)) - 1;

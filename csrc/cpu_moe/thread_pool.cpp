@@ -37,6 +37,11 @@ static inline void relax(uint64_t i, int pause_every) {
   if (pause_every > 0 && i % static_cast<uint64_t>(pause_every) == 0) _mm_pause();
 }
 
+void wait_until_set(const std::atomic<int>& f) {
+  const int pe = spin_policy().pause_every;
+  for (uint64_t i = 0; !f.load(std::memory_order_acquire); ++i) relax(i, pe);
+}
+
 // Worker t runs on the t-th CPU the process may use, so the OS does not migrate it mid-layer
 // (its L1/L2 and the prefetchers' streams stay put). The caller (tid 0) is left alone. Skipped
 // when there are fewer allowed CPUs than threads, or with FREETOKEN_CPU_MOE_PIN=0.

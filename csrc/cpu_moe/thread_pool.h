@@ -13,6 +13,10 @@
 
 namespace ft {
 
+// Polls until f is non-zero (acquire), with the pool's spin policy: for waits of microseconds
+// inside a pool run (the workers are all busy, so nothing is gained by sleeping).
+void wait_until_set(const std::atomic<int>& f);
+
 class ThreadPool {
  public:
   explicit ThreadPool(int num_threads);

@@ -138,6 +138,10 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int left = static_cast<int>(K / 16 - 8 * ng);  // 0..7 blocks after the groups
   if (left) {
+    if (pf) {  // the cursor's last stretch: left x 8 B codes, left B scales per row
+      prefetch_lines(wrow + ng * 64 * R + pf, (left * 8 * R + 63) / 64);
+      prefetch_lines(wsc + ng * 8 * R + pf / 8, (left * R + 63) / 64);
+    }
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i ma = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left), lane);
     const __m256i mb = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left - 8), lane);

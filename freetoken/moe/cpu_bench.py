@@ -128,12 +128,6 @@ def _repeat(fn, min_seconds: float = MIN_SECONDS) -> tuple[float, int]:
 # ---------------------------------------------------------------------------
 # measurements
 # ---------------------------------------------------------------------------
-def _best(fn, nbytes: int, passes: int | None = None) -> float:
-    """Best GB/s over `passes` calls of fn() -> seconds, each moving nbytes (after a warm-up)."""
-    fn()
-    return max(nbytes / fn() for _ in range(passes or PASSES)) / 1e9
-
-
 # Software-prefetch distances (bytes) tried by the ceiling. The dots prefetch ahead
 # (FREETOKEN_CPU_MOE_PREFETCH): a ceiling measured without it can sit below what the dots
 # read, and a low ceiling flatters every ratio. The ceiling is the best over all of them.
@@ -144,12 +138,16 @@ def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int,
             distances: tuple[int, ...] = CEILING_PREFETCH, passes: int | None = None) -> float:
     """Streaming-read GB/s: best of `passes` sweeps of the whole buffer on `threads` threads,
     over every prefetch distance in `distances`."""
-    n = buf.numel() // threads // 256 * 256 * threads
-    return max(
-        _best(lambda d=d: ex._ex.time_stream(buf.data_ptr(), buf.numel(), 1, threads, d), n,
-              passes)
-        for d in distances
-    )
+
+    def sweep(d: int) -> float:
+        t, nbytes = ex._ex.time_stream(buf.data_ptr(), buf.numel(), 1, threads, d)
+        return nbytes / t / 1e9
+
+    best = 0.0
+    for d in distances:
+        sweep(d)  # warm-up
+        best = max(best, max(sweep(d) for _ in range(passes or PASSES)))
+    return best
 
 
 class Ceiling:
