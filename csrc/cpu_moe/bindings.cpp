@@ -79,6 +79,26 @@ NB_MODULE(_cpu_moe, m) {
             return ex.time_stream(ptr<const uint8_t>(p), n, iters, threads, dist);
           },
           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "glu",
+          [](const Executor& ex, uintptr_t g, uintptr_t u, int64_t n, float sg, float su,
+             int act) { ex.glu(ptr<float>(g), ptr<const float>(u), n, sg, su, act); },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def("set_profiling", &Executor::set_profiling)
+      .def("layer_profile",
+           [](const Executor& ex) {
+             nb::list threads;
+             for (const ft::LayerProfile& p : ex.layer_profile()) {
+               nb::dict d;
+               d["gate_up"] = p.gate_up, d["glu"] = p.glu, d["wait"] = p.wait;
+               d["down"] = p.down, d["reduce"] = p.reduce, d["items"] = p.items;
+               threads.append(d);
+             }
+             nb::dict out;
+             out["threads"] = threads, out["span"] = ex.profile_span();
+             out["calls"] = ex.profile_calls();
+             return out;
+           })
       .def("prep", [](const Executor& ex, int fmt, uintptr_t x, int64_t K) {
         return as_bytes(ex.prep(static_cast<ft::Fmt>(fmt), ptr<const float>(x), K));
       });

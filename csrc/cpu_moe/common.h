@@ -58,6 +58,10 @@ struct Kernels {
   // Reads n bytes (n % 256 == 0) with the widest loads the tier has; returns a checksum.
   // Streaming read of n bytes, software-prefetching `dist` bytes ahead (0 = none).
   uint64_t (*stream_read)(const uint8_t* p, int64_t n, int64_t dist) = nullptr;
+  // The GLU in place: g[i] = act(g[i] * s_gate) * (u[i] * s_up), i < n; act 0 = silu,
+  // 1 = gelu_tanh. The SIMD tiers use a polynomial exp (Cephes expf, ~1 ulp), the scalar one
+  // std::exp / std::tanh.
+  void (*glu)(float* g, const float* u, int64_t n, float s_gate, float s_up, int act) = nullptr;
 };
 
 // Software prefetch of the NVFP4 W4A8 dots: bytes of weight codes ahead of the read cursor

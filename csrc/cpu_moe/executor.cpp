@@ -26,12 +26,6 @@ int64_t act_stride(const Kernels& k, Fmt fmt, int64_t K) {
   return (k.fmt[static_cast<int>(fmt)].act_bytes(K) + 63) / 64 * 64;
 }
 
-static inline float glu(float g, float u, Act act) {
-  if (act == Act::SILU) return g / (1.0f + std::exp(-g)) * u;
-  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g))) * u;
-}
-
 constexpr int64_t kReduceRows = 128;  // output rows per reduction block
 
 static std::atomic<uint64_t> g_sink{0};  // keeps streaming reads alive
@@ -137,37 +131,65 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
     ready[i].store(0, std::memory_order_relaxed);
   }
   for (int64_t b = 0; b < nblk; ++b) blk_done[b].store(0, std::memory_order_relaxed);
-  auto item_fn = [&](int64_t item) {
+  // Profiling: lap(field) adds the time since the last lap to this thread's field.
+  const bool prof = profiling_;
+  auto item_fn = [&](int64_t item, int tid) {
+    LayerProfile* pr = prof ? &prof_[tid] : nullptr;
+    Clock::time_point t = prof ? Clock::now() : Clock::time_point{};
+    auto lap = [&](double LayerProfile::*field) {
+      if (!pr) return;
+      const auto t2 = Clock::now();
+      pr->*field += std::chrono::duration<double>(t2 - t).count();
+      t = t2;
+    };
+    if (pr) pr->items++;
     if (item < sp1.n) {
       for_each_piece(sp1, item, N, [&](int64_t ei, int64_t r0, int64_t r1) {
         const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
         dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
              2 * I);
+        lap(&LayerProfile::gate_up);
         if (rows_done[ei].fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N) return;
         const float* s = a.scales + e * 4;
         for (int64_t p = p0; p < p1; ++p) {
           float* g = h + p * 2 * I;
-          for (int64_t i = 0; i < I; ++i) g[i] = glu(g[i] * s[0], g[I + i] * s[1], a.act);
+          k_->glu(g, g + I, I, s[0], s[1], static_cast<int>(a.act));
           prep2(g, I, aq + p * as);
         }
         ready[ei].store(1, std::memory_order_release);
+        lap(&LayerProfile::glu);
       });
       return;
     }
     for_each_piece(sp2, item - sp1.n, H, [&](int64_t ei, int64_t r0, int64_t r1) {
       wait_until_set(ready[ei]);
+      lap(&LayerProfile::wait);
       const int64_t p0 = rt.p0[ei];
       dot2(a.w2, rt.experts[ei], r0, r1 - r0, acts2 + p0, static_cast<int>(rt.p0[ei + 1] - p0),
            d + p0 * H + r0, H);
+      lap(&LayerProfile::down);
       for (int64_t b = r0 / kReduceRows; b * kReduceRows < r1; ++b) {
         const int64_t c0 = b * kReduceRows, c1 = std::min(H, c0 + kReduceRows);
         const int64_t got = std::min(r1, c1) - std::max(r0, c0);
         if (blk_done[b].fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
           reduce_rows(a, rt.pidx, d, c0, c1);
       }
+      lap(&LayerProfile::reduce);
     });
   };
-  pool_.run(sp1.n + sp2.n, item_fn);
+  const auto t0 = prof ? Clock::now() : Clock::time_point{};
+  pool_.run_tid(sp1.n + sp2.n, item_fn);
+  if (prof) {
+    prof_span_ += seconds_since(t0);
+    prof_calls_++;
+  }
+}
+
+void Executor::set_profiling(bool on) {
+  profiling_ = on;
+  prof_.assign(pool_.size(), LayerProfile{});
+  prof_span_ = 0;
+  prof_calls_ = 0;
 }
 
 void Executor::forward(const LayerArgs& a) {

@@ -41,6 +41,15 @@ class Scratch {
   std::vector<uint8_t> buf_;
 };
 
+// Where the layers' time went on one thread (seconds summed over the profiled calls): its
+// gate/up dots, the GLU + down-input quant of the experts it completed, waiting for an
+// expert's GLU output, its down dots, the output reductions it did. The rest of `span` (the
+// layers' pool runs, the same for every thread) is claiming work, waking and idling.
+struct LayerProfile {
+  double gate_up = 0, glu = 0, wait = 0, down = 0, reduce = 0;
+  int64_t items = 0;
+};
+
 class Executor {
  public:
   Executor(int num_threads, const std::string& isa, bool no_vnni, bool no_avx512vnni);
@@ -61,6 +70,15 @@ class Executor {
   double time_forward(LayerArgs a, const int32_t* ids, const float* route, int64_t iters);
   // Seconds for `iters` dots of one token over all rows of expert e.
   double time_dot(const Bank& w, int64_t e, const float* x, int64_t iters, int threads);
+  // The tier's GLU in place (see Kernels::glu).
+  void glu(float* g, const float* u, int64_t n, float s_gate, float s_up, int act) const {
+    k_->glu(g, u, n, s_gate, s_up, act);
+  }
+  // Per-thread time accounting of forward() (off by default: no clock reads when off).
+  void set_profiling(bool on);
+  std::vector<LayerProfile> layer_profile() const { return prof_; }
+  double profile_span() const { return prof_span_; }
+  int64_t profile_calls() const { return prof_calls_; }
   // (seconds, bytes read) for `iters` streaming reads of up to n bytes split over `threads`
   // threads, software-prefetching `dist` bytes ahead.
   std::pair<double, int64_t> time_stream(const uint8_t* p, int64_t n, int64_t iters,
@@ -79,6 +97,10 @@ class Executor {
   ThreadPool pool_;
   const Kernels* k_;
   Scratch xq_, h_, aq_, d_, ptrs_, ptrs2_;
+  bool profiling_ = false;
+  std::vector<LayerProfile> prof_;
+  double prof_span_ = 0;
+  int64_t prof_calls_ = 0;
 };
 
 int64_t act_stride(const Kernels& k, Fmt fmt, int64_t K);

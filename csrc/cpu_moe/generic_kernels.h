@@ -288,6 +288,15 @@ static uint64_t stream_read_generic(const uint8_t* p, int64_t n, int64_t dist) {
   return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];
 }
 
+static void glu_generic(float* g, const float* u, int64_t n, float s_gate, float s_up, int act) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = g[i] * s_gate, y = u[i] * s_up;
+    g[i] = act == 0 ? x / (1.0f + std::exp(-x)) * y
+                    : 0.5f * x * (1.0f + std::tanh(c * (x + 0.044715f * x * x * x))) * y;
+  }
+}
+
 static Kernels make_generic_table(const char* name) {
   Kernels k;
   k.name = name;
@@ -305,5 +314,6 @@ static Kernels make_generic_table(const char* name) {
   set(Fmt::Q4_K, q8_32_bytes, q8_32_prep, dot_q8<decode_q4_k, 256, 144>);
   set(Fmt::Q6_K, q8_32_bytes, q8_32_prep, dot_q8<decode_q6_k, 256, 210>);
   k.stream_read = stream_read_generic;
+  k.glu = glu_generic;
   return k;
 }

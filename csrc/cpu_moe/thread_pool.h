@@ -32,6 +32,8 @@ class ThreadPool {
   // fn(item) for item in [0, n_items), items claimed dynamically in increasing order.
   // NOTE: results must not depend on which thread ran an item (determinism).
   void run(int64_t n_items, const std::function<void(int64_t)>& fn);
+  // The same, fn(item, tid) also told which thread runs it.
+  void run_tid(int64_t n_items, const std::function<void(int64_t, int)>& fn);
 
  private:
   void worker(int tid);

@@ -189,6 +189,26 @@ class CpuMoeExecutor:
                          out_dtype == torch.bfloat16)
         return out
 
+    def profile_layers(self, on: bool = True) -> None:
+        """Start (and zero) or stop the per-thread time accounting of forward()."""
+        self._ex.set_profiling(bool(on))
+
+    def layer_profile(self) -> dict:
+        """Seconds per layer call since profile_layers(True), per thread: gate_up (dots),
+        glu (GLU + down-input quant of the experts it completed), wait (for an expert's GLU
+        output), down (dots), reduce (output sums), other (claiming work, waking, idle: the rest
+        of the pool run), and items (work units per call)."""
+        raw = self._ex.layer_profile()
+        calls = max(1, raw["calls"])
+        span = raw["span"] / calls
+        threads = []
+        for t in raw["threads"]:
+            row = {k: t[k] / calls for k in ("gate_up", "glu", "wait", "down", "reduce")}
+            row["other"] = span - sum(row.values())
+            row["items"] = t["items"] / calls
+            threads.append(row)
+        return {"calls": raw["calls"], "span": span, "threads": threads}
+
     # -- hooks for tests and the benchmark -------------------------------------------------
     def expert_matmul(self, w: QuantWeight, expert: int, x: torch.Tensor,
                       threads: int | None = None) -> torch.Tensor:
@@ -201,6 +221,18 @@ class CpuMoeExecutor:
         out = torch.empty(x.shape[0], N, dtype=torch.float32)
         self._ex.dot(bank, expert, x.data_ptr(), x.shape[0], out.data_ptr(),
                      threads or self.num_threads)
+        return out
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor, s_gate: float = 1.0, s_up: float = 1.0,
+            activation: str = "silu") -> torch.Tensor:
+        """This tier's GLU, act(g * s_gate) * (u * s_up), of fp32 [n] vectors."""
+        _check_tensor(g, "g", torch.float32, (g.shape[0],))
+        _check_tensor(u, "u", torch.float32, (g.shape[0],))
+        _need(activation in ACTIVATIONS,
+              f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+        out = g.clone()
+        self._ex.glu(out.data_ptr(), u.data_ptr(), out.shape[0], float(s_gate), float(s_up),
+                     ACTIVATIONS[activation])
         return out
 
     def prepared_activation(self, x: torch.Tensor, fmt: str) -> torch.Tensor:
