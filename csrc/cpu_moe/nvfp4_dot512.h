@@ -51,6 +51,31 @@ static inline void nibbles(__m512i p, __m512i& lo, __m512i& hi) {
   }
 }
 
+// The sum of a row's 16 lanes, in one fixed tree for every R and NT: h_i = a_i + a_(i+8),
+// q_i = h_i + h_(i+4), p_i = q_i + q_(i+2), then p_0 + p_1 (the order of _mm512_reduce_add_ps).
+static inline float sum1(__m512 a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)));
+}
+
+// Four rows' sums at once, by the same tree (each step adds the same pairs as sum1), with
+// whole-register shuffles instead of four horizontal reductions: about 14 instructions for 4
+// rows instead of 36, which matters for short rows (K = 512: 2 groups a row).
+static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // [a.lo256 | b.lo256] + [a.hi256 | b.hi256] = [h(a) | h(b)]
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xee));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xee));
+  // [h0.lo, h1.lo, h2.lo, h3.lo] + [h0.hi, h1.hi, h2.hi, h3.hi] = [q0 | q1 | q2 | q3]
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xdd));
+  const __m512 p = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4e));   // lanes 0, 1: q0+q2, q1+q3
+  const __m512 s = _mm512_add_ps(p, _mm512_permute_ps(p, 0xb1));   // lane 0: p0 + p1
+  return _mm512_castps512_ps128(
+      _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s));
+}
+
 // One group of R rows x NT tokens: A, B are each row's two 64-byte loads, ws its 16 block
 // scales; the activation group of token t starts at a[t] + off.
 template <bool kVbmi, int R, int NT>
@@ -116,8 +141,12 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
     }
     group_step<kVbmi, R, NT>(A, B, ws, a, ns * kQ8x16.group_bytes(), facc);
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) res[r + t * os] = _mm512_reduce_add_ps(facc[r][t]);
+  if constexpr (R == 4 && NT == 1) {
+    _mm_storeu_ps(res, sum4(facc[0][0], facc[1][0], facc[2][0], facc[3][0]));  // t = 0: res[0..3]
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < NT; ++t) res[r + t * os] = sum1(facc[r][t]);
+  }
 }
 
 // Rows r..r+R-1 against every token, in groups of at most 4 tokens: a weight row comes from
