@@ -1,0 +1,43 @@
+"""The executor's per-thread time accounting: it changes no result, accounts every work unit
+once, and never accounts more time to a thread than its layers' pool runs lasted."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from cpu_moe_cases import random_nvfp4
+
+from freetoken.moe.cpu_executor import CpuMoeExecutor
+
+
+def test_profile_accounts_every_unit_and_changes_nothing():
+    gen = torch.Generator().manual_seed(0)
+    E, H, inter, T, k = 8, 256, 128, 3, 4
+    w13, w2 = random_nvfp4(gen, E, 2 * inter, H), random_nvfp4(gen, E, H, inter)
+    scales = torch.ones(E, 4)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    route = torch.full((T, k), 1.0 / k)
+    ex = CpuMoeExecutor(3)
+    plain = ex.forward(x, ids, route, w13, w2, scales)
+    ex.profile_layers(True)
+    calls = 5
+    for _ in range(calls):
+        assert torch.equal(ex.forward(x, ids, route, w13, w2, scales), plain)
+    prof = ex.layer_profile()
+    ex.profile_layers(False)
+    assert prof["calls"] == calls and len(prof["threads"]) == 3 and prof["span"] > 0
+    # units: 8 per thread for gate/up and for down, capped at rows / 4 (split_rows)
+    active = len(torch.unique(ids))
+    units = min(3 * 8, 2 * inter * active // 4) + min(3 * 8, H * active // 4)
+    assert sum(t["items"] for t in prof["threads"]) == pytest.approx(units)
+    for t in prof["threads"]:
+        parts = [t[f] for f in ("gate_up", "glu", "wait", "down", "reduce")]
+        assert min(parts) >= 0 and sum(parts) <= prof["span"] * 1.01
+    assert sum(t["gate_up"] + t["down"] for t in prof["threads"]) > 0
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
