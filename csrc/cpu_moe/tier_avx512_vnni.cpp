@@ -41,6 +41,105 @@ static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// GGUF Q4_K x int8 (the Q8_32 activation layout of common.h), vpdpbusd
+// ---------------------------------------------------------------------------
+// A super-block is 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins of 8
+// sub-blocks of 32, 128 bytes of nibbles (32 bytes a group of 64 values: low nibbles the first
+// 32, high nibbles the next 32). Value = d * sc[s] * q - dmin * m[s]. Against int8 activations
+// with a scale da[s] and a sum sa[s] per 32: sum_s da[s] * (d * sc[s] * sum(q * a) - dmin * m[s]
+// * sa[s]). One 64-byte load of nibbles splits into low nibbles (sub-blocks 0 and 2 of its 128
+// values) and high nibbles (1 and 3): each the unsigned operand of a vpdpbusd against the
+// activations of those two sub-blocks, every int32 lane then belongs to one sub-block, and one
+// FMA with the lane's factor d * sc * da accumulates it. The mins go to a second accumulator.
+
+// The 8 scales and 8 mins of a super-block (llama.cpp's get_scale_min_k4, four words at once).
+static inline void q4k_scales_mins(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t u[3];
+  std::memcpy(u, s12, 12);
+  const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+  const uint32_t sc_lo = u[0] & k1, sc_hi = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  const uint32_t m_lo = u[1] & k1, m_hi = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  std::memcpy(sc, &sc_lo, 4), std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &m_lo, 4), std::memcpy(mn + 4, &m_hi, 4);
+}
+
+// One row against NT tokens; res[t * os].
+template <int NT>
+static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
+                           int64_t os) {
+  const int64_t nsb = K / 256;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  // lane -> sub-block of the 8: vector v holds sub-blocks (2v', ...) as below
+  const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i sel1 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i sel2 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+  const __m512i sel3 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+  __m512 acc[NT];
+  __m256 accm[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* blk = row + b * 144;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2), std::memcpy(&mh, blk + 2, 2);
+    alignas(8) uint8_t sc[8], mn[8];
+    q4k_scales_mins(blk + 4, sc, mn);
+    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mh)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+    const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
+    const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
+    const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* A = acts[t];
+      const uint8_t* aq = A + b * 256;
+      const float* ad = reinterpret_cast<const float*>(A + K) + b * 8;
+      const int32_t* as = reinterpret_cast<const int32_t*>(A + K + K / 8) + b * 8;
+      auto two = [aq](int lo, int hi) {  // activations of values [lo, lo+32) and [hi, hi+32)
+        return _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + lo))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + hi)), 1);
+      };
+      const __m256 da = _mm256_loadu_ps(ad);
+      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(dsc, da));
+      const __m512i z = _mm512_setzero_si512();
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l0, two(0, 64))),
+                               _mm512_permutexvar_ps(sel0, f), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h0, two(32, 96))),
+                               _mm512_permutexvar_ps(sel1, f), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l1, two(128, 192))),
+                               _mm512_permutexvar_ps(sel2, f), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h1, two(160, 224))),
+                               _mm512_permutexvar_ps(sel3, f), acc[t]);
+      accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmn, da),
+                                _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(as))),
+                                accm[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm[t]), _mm256_extractf128_ps(accm[t], 1));
+    const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    res[t * os] = _mm512_reduce_add_ps(acc[t]) - _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+  }
+}
+
+static void dot_q4_k(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
+                     const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const uint8_t* row = w.row(e, r);
+    float* o = out + (r - r0);
+    int t = 0;
+    for (; t + 4 <= ntok; t += 4) q4k_row<4>(row, w.K, acts + t, o + t * os, os);
+    switch (ntok - t) {
+      case 3: q4k_row<3>(row, w.K, acts + t, o + t * os, os); break;
+      case 2: q4k_row<2>(row, w.K, acts + t, o + t * os, os); break;
+      case 1: q4k_row<1>(row, w.K, acts + t, o + t * os, os); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace avx512_vnni_tier
 
 // The vpermb dot where the CPU has AVX-512 VBMI, unless FREETOKEN_CPU_MOE_NO_VBMI=1 (read at
@@ -51,6 +150,7 @@ const Kernels& kernels_avx512_vnni() {
     t.name = "avx512_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
         FormatKernels{nvfp4_q8x16_bytes, avx512_vnni_tier::prep_nvfp4_q8, dot};
+    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = avx512_vnni_tier::dot_q4_k;
     return t;
   };
   static const Kernels plain = make(dot512::dot_nvfp4<false>);
