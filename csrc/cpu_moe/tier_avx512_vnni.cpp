@@ -140,6 +140,81 @@ static void dot_q4_k(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
   }
 }
 
+// ---------------------------------------------------------------------------
+// GGUF Q6_K x int8 (Q8_32 activations), vpdpbusd
+// ---------------------------------------------------------------------------
+// A super-block is 256 values in two halves of 128: ql (64 bytes a half: low nibbles values
+// 0-31 and 32-63, high nibbles 64-95 and 96-127), qh (32 bytes a half: bits 0-1, 2-3, 4-5, 6-7
+// complete those four runs to 6 bits), 16 int8 scales (one per 16 values), fp16 d.
+// Value = d * sc[v / 16] * (q - 32). The 6-bit q is vpdpbusd's unsigned operand; the -32
+// comes off as a second vpdpbusd of the constant 32 against the same activations. Lane j of a
+// 64-value vector holds values 4j .. 4j + 3, so it belongs to one scale (16 values) and one
+// activation scale (32): one FMA with d * sc * da accumulates it.
+template <int NT>
+static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
+                           int64_t os) {
+  const int64_t nsb = K / 256;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+  const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
+  // FS[i] = d * sc[i] * da[i / 2]; the lanes of vector (half h, v) take FS[8h + 4v + j / 4]
+  const __m512i da_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  __m512i lane_idx[4];
+  for (int hv = 0; hv < 4; ++hv) {
+    alignas(64) int32_t ix[16];
+    for (int j = 0; j < 16; ++j) ix[j] = 4 * hv + j / 4;
+    lane_idx[hv] = _mm512_load_si512(ix);
+  }
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    uint16_t dh;
+    std::memcpy(&dh, blk + 208, 2);
+    const __m512 S = _mm512_mul_ps(
+        _mm512_set1_ps(_cvtsh_ss(dh)),
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))));
+    __m512i V[4];  // (half 0: values 0-63, 64-127; half 1: 128-191, 192-255)
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      const __m512i hlo = _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30);  // bits 0-1 / 2-3
+      const __m512i hhi = _mm512_and_si512(qh2, m30);                        // bits 4-5 / 6-7
+      V[2 * h] = _mm512_ternarylogic_epi32(ql, m4, hlo, 0xea);  // (ql & m4) | hlo
+      V[2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, hhi, 0xea);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* A = acts[t];
+      const uint8_t* aq = A + b * 256;
+      const __m512 da = _mm512_castps256_ps512(
+          _mm256_loadu_ps(reinterpret_cast<const float*>(A + K) + b * 8));
+      const __m512 FS = _mm512_mul_ps(S, _mm512_permutexvar_ps(da_idx, da));
+      for (int v = 0; v < 4; ++v) {
+        const __m512i a = _mm512_loadu_si512(aq + 64 * v);
+        const __m512i q = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, V[v], a), _mm512_dpbusd_epi32(z, c32, a));
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(lane_idx[v], FS), acc[t]);
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(acc[t]);
+}
+
+static void dot_q6_k(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
+                     const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    const uint8_t* row = w.row(e, r);
+    float* o = out + (r - r0);
+    int t = 0;
+    for (; t + 4 <= ntok; t += 4) q6k_row<4>(row, w.K, acts + t, o + t * os, os);
+    switch (ntok - t) {
+      case 3: q6k_row<3>(row, w.K, acts + t, o + t * os, os); break;
+      case 2: q6k_row<2>(row, w.K, acts + t, o + t * os, os); break;
+      case 1: q6k_row<1>(row, w.K, acts + t, o + t * os, os); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace avx512_vnni_tier
 
 // The vpermb dot where the CPU has AVX-512 VBMI, unless FREETOKEN_CPU_MOE_NO_VBMI=1 (read at
@@ -151,6 +226,7 @@ const Kernels& kernels_avx512_vnni() {
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
         FormatKernels{nvfp4_q8x16_bytes, avx512_vnni_tier::prep_nvfp4_q8, dot};
     t.fmt[static_cast<int>(Fmt::Q4_K)].dot = avx512_vnni_tier::dot_q4_k;
+    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = avx512_vnni_tier::dot_q6_k;
     return t;
   };
   static const Kernels plain = make(dot512::dot_nvfp4<false>);
