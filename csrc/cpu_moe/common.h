@@ -77,6 +77,25 @@ inline void prefetch_lines(const uint8_t* p, int n) {
   for (int l = 0; l < n; ++l) __builtin_prefetch(p + 64 * l, 0, 3);
 }
 
+// A DotFn from a one-row kernel: each row against the tokens in groups of at most 4 (a row is
+// read once per group; later groups find it in L1). Row::run<NT>(w, e, r, acts, res, os) writes
+// res[t * os] for t < NT.
+template <class Row>
+void dot_rows_by_token_groups(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
+                              const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+  for (int64_t r = r0; r < r0 + nrows; ++r) {
+    float* o = out + (r - r0);
+    int t = 0;
+    for (; t + 4 <= ntok; t += 4) Row::template run<4>(w, e, r, acts + t, o + t * os, os);
+    switch (ntok - t) {
+      case 3: Row::template run<3>(w, e, r, acts + t, o + t * os, os); break;
+      case 2: Row::template run<2>(w, e, r, acts + t, o + t * os, os); break;
+      case 1: Row::template run<1>(w, e, r, acts + t, o + t * os, os); break;
+      default: break;
+    }
+  }
+}
+
 // Tier tables, one per translation unit (compiled with that tier's flags).
 const Kernels& kernels_scalar();
 const Kernels& kernels_avx2();        // AVX2 + FMA + F16C: fp32 W4A16 NVFP4

@@ -108,25 +108,20 @@ static const float* e4m3_table() {
   return lut.v;
 }
 
-// The fp32 W4A16 NVFP4 dot of the SIMD tiers without VNNI: each row against the tokens in
-// groups of at most 4. Row::run<NT>(row codes, row scales, K, acts, res, os) is the tier's
-// one-row kernel.
+// The fp32 W4A16 NVFP4 dot of the SIMD tiers without VNNI: Row::run<NT>(row codes, row scales,
+// K, acts, res, os) is the tier's one-row kernel.
+template <class Row>
+struct Nvfp4Row {
+  template <int NT>
+  static void run(const Bank& w, int64_t e, int64_t r, const uint8_t* const* acts, float* res,
+                  int64_t os) {
+    Row::template run<NT>(w.row(e, r), w.scales + (e * w.N + r) * (w.K / 16), w.K, acts, res, os);
+  }
+};
 template <class Row>
 static void dot_nvfp4_rows(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                            const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const uint8_t* wrow = w.row(e, r);
-    const uint8_t* wsc = w.scales + (e * w.N + r) * (w.K / 16);
-    float* o = out + (r - r0);
-    int t = 0;
-    for (; t + 4 <= ntok; t += 4) Row::template run<4>(wrow, wsc, w.K, acts + t, o + t * os, os);
-    switch (ntok - t) {
-      case 3: Row::template run<3>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      case 2: Row::template run<2>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      case 1: Row::template run<1>(wrow, wsc, w.K, acts + t, o + t * os, os); break;
-      default: break;
-    }
-  }
+  dot_rows_by_token_groups<Nvfp4Row<Row>>(w, e, r0, nrows, acts, ntok, out, os);
 }
 
 static void decode_fp8_seg(const Bank& w, int64_t e, int64_t r, int64_t k0, int n, float* o) {

@@ -124,21 +124,13 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   }
 }
 
-static void dot_q4_k(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                     const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const uint8_t* row = w.row(e, r);
-    float* o = out + (r - r0);
-    int t = 0;
-    for (; t + 4 <= ntok; t += 4) q4k_row<4>(row, w.K, acts + t, o + t * os, os);
-    switch (ntok - t) {
-      case 3: q4k_row<3>(row, w.K, acts + t, o + t * os, os); break;
-      case 2: q4k_row<2>(row, w.K, acts + t, o + t * os, os); break;
-      case 1: q4k_row<1>(row, w.K, acts + t, o + t * os, os); break;
-      default: break;
-    }
+struct Q4KRow {
+  template <int NT>
+  static void run(const Bank& w, int64_t e, int64_t r, const uint8_t* const* acts, float* res,
+                  int64_t os) {
+    q4k_row<NT>(w.row(e, r), w.K, acts, res, os);
   }
-}
+};
 
 // ---------------------------------------------------------------------------
 // GGUF Q6_K x int8 (Q8_32 activations), vpdpbusd
@@ -199,21 +191,13 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(acc[t]);
 }
 
-static void dot_q6_k(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                     const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    const uint8_t* row = w.row(e, r);
-    float* o = out + (r - r0);
-    int t = 0;
-    for (; t + 4 <= ntok; t += 4) q6k_row<4>(row, w.K, acts + t, o + t * os, os);
-    switch (ntok - t) {
-      case 3: q6k_row<3>(row, w.K, acts + t, o + t * os, os); break;
-      case 2: q6k_row<2>(row, w.K, acts + t, o + t * os, os); break;
-      case 1: q6k_row<1>(row, w.K, acts + t, o + t * os, os); break;
-      default: break;
-    }
+struct Q6KRow {
+  template <int NT>
+  static void run(const Bank& w, int64_t e, int64_t r, const uint8_t* const* acts, float* res,
+                  int64_t os) {
+    q6k_row<NT>(w.row(e, r), w.K, acts, res, os);
   }
-}
+};
 
 }  // namespace avx512_vnni_tier
 
@@ -225,8 +209,8 @@ const Kernels& kernels_avx512_vnni() {
     t.name = "avx512_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
         FormatKernels{nvfp4_q8x16_bytes, avx512_vnni_tier::prep_nvfp4_q8, dot};
-    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = avx512_vnni_tier::dot_q4_k;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = avx512_vnni_tier::dot_q6_k;
+    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q4KRow>;
+    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q6KRow>;
     return t;
   };
   static const Kernels plain = make(dot512::dot_nvfp4<false>);
