@@ -58,8 +58,8 @@ static void nvfp4_q8_prep_scalar(const Q8Layout& L, const float* x, int64_t K, u
     uint8_t* g = out + (b / L.lanes) * L.group_bytes();
     const int m = lane_of[b % L.lanes];
     for (int w = 0; w < 16; ++w) g[L.pos(m, w)] = static_cast<uint8_t>(q[w]);
-    reinterpret_cast<int32_t*>(g + 16 * L.lanes)[m] = -12 * s;
-    reinterpret_cast<float*>(g + 20 * L.lanes)[m] = d * 128.0f;
+    reinterpret_cast<int32_t*>(g + L.bias())[m] = -12 * s;
+    reinterpret_cast<float*>(g + L.scale())[m] = d * 128.0f;
   }
 }
 
@@ -108,8 +108,9 @@ static const float* e4m3_table() {
   return lut.v;
 }
 
-// The fp32 W4A16 NVFP4 dot of the SIMD tiers without VNNI: Row::run<NT>(row codes, row scales,
-// K, acts, res, os) is the tier's one-row kernel.
+// The fp32 W4A16 NVFP4 dot of the SIMD tiers without VNNI, as a Row of
+// dot_rows_by_token_groups: Row::run<NT>(row codes, row scales, K, acts, res, os) is the
+// tier's one-row kernel.
 template <class Row>
 struct Nvfp4Row {
   template <int NT>
@@ -118,12 +119,6 @@ struct Nvfp4Row {
     Row::template run<NT>(w.row(e, r), w.scales + (e * w.N + r) * (w.K / 16), w.K, acts, res, os);
   }
 };
-template <class Row>
-static void dot_nvfp4_rows(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                           const uint8_t* const* acts, int ntok, float* out, int64_t os) {
-  dot_rows_by_token_groups<Nvfp4Row<Row>>(w, e, r0, nrows, acts, ntok, out, os);
-}
-
 static void decode_fp8_seg(const Bank& w, int64_t e, int64_t r, int64_t k0, int n, float* o) {
   const float* lut = e4m3_table();
   const uint8_t* p = w.row(e, r) + k0;

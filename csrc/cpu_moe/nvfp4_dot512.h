@@ -89,11 +89,12 @@ static inline void group_step(const __m512i* A, const __m512i* B, const __m512* 
     nibbles<kVbmi>(_mm512_permutex2var_epi32(A[r], second, B[r]), l1, h1);
     for (int t = 0; t < NT; ++t) {
       const uint8_t* p = a[t] + off;
-      __m512i acc = _mm512_dpbusd_epi32(_mm512_load_si512(p + 256), l0, _mm512_load_si512(p));
-      acc = _mm512_dpbusd_epi32(acc, h0, _mm512_load_si512(p + 64));
-      acc = _mm512_dpbusd_epi32(acc, l1, _mm512_load_si512(p + 128));
-      acc = _mm512_dpbusd_epi32(acc, h1, _mm512_load_si512(p + 192));
-      const __m512 as = _mm512_load_ps(reinterpret_cast<const float*>(p + 320));
+      constexpr Q8Layout L = kQ8x16;
+      __m512i acc = _mm512_dpbusd_epi32(_mm512_load_si512(p + L.bias()), l0, _mm512_load_si512(p));
+      acc = _mm512_dpbusd_epi32(acc, h0, _mm512_load_si512(p + L.vec(1)));
+      acc = _mm512_dpbusd_epi32(acc, l1, _mm512_load_si512(p + L.vec(2)));
+      acc = _mm512_dpbusd_epi32(acc, h1, _mm512_load_si512(p + L.vec(3)));
+      const __m512 as = _mm512_load_ps(reinterpret_cast<const float*>(p + L.scale()));
       facc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(ws[r], as), facc[r][t]);
     }
   }
@@ -112,10 +113,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   __m512 ws[R];
   const int64_t pf = prefetch_bytes();
   for (int64_t s = 0; s < ns; ++s) {
-    if (pf) {  // the linear cursor of the R rows (R x 128 B codes, R x 16 B scales a step)
-      prefetch_lines(wrow + s * 128 * R + pf, 2 * R);
-      prefetch_lines(wsc + s * 16 * R + pf / 8, 1);
-    }
+    if (pf) prefetch_rows_step(wrow, wsc, s * 128, 128, R, pf);
     for (int r = 0; r < R; ++r) {
       A[r] = _mm512_loadu_si512(wrow + r * rows + s * 128);
       B[r] = _mm512_loadu_si512(wrow + r * rows + s * 128 + 64);
@@ -126,10 +124,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int64_t left = K / 16 - 16 * ns;  // 0..15 blocks after the groups
   if (left) {
-    if (pf) {  // the cursor's last stretch: left x 8 B codes, left B scales per row
-      prefetch_lines(wrow + ns * 128 * R + pf, static_cast<int>((left * 8 * R + 63) / 64));
-      prefetch_lines(wsc + ns * 16 * R + pf / 8, static_cast<int>((left * R + 63) / 64));
-    }
+    if (pf) prefetch_rows_step(wrow, wsc, ns * 128, left * 8, R, pf);
     const int64_t nb = left * 8;  // their code bytes, 8..120
     const __mmask64 ma = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
     const __mmask64 mb = nb <= 64 ? 0ULL : (1ULL << (nb - 64)) - 1;

@@ -79,7 +79,7 @@ static inline __m256 decode8(__m128i bytes4x2, __m256 table) {  // 8 dup'd bytes
   return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
 }
 
-struct RowF32 {  // one row against NT tokens (dot_nvfp4_rows of generic_kernels.h)
+struct RowF32 {  // one row against NT tokens (Nvfp4Row of generic_kernels.h)
   template <int NT>
   static void run(const uint8_t* wrow, const uint8_t* wsc, int64_t K, const uint8_t* const* a,
                   float* res, int64_t os) {
@@ -114,7 +114,7 @@ const Kernels& kernels_avx2() {
     Kernels t = avx2_tier::make_generic_table("avx2_fp32");
     t.stream_read = avx2_tier::stream_read_avx2;
     t.glu = avx2_tier::glu_avx2;
-    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = avx2_tier::dot_nvfp4_rows<avx2_tier::RowF32>;
+    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx2_tier::Nvfp4Row<avx2_tier::RowF32>>;
     return t;
   }();
   return k;

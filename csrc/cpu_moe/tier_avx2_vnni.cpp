@@ -53,9 +53,9 @@ static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
         _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1)), split);
     const int32_t d[4] = {_mm_cvtsi128_si32(q8), _mm_extract_epi32(q8, 1),
                           _mm_extract_epi32(q8, 2), _mm_extract_epi32(q8, 3)};
-    for (int u = 0; u < 4; ++u) std::memcpy(g + 32 * u + 4 * m, &d[u], 4);
-    reinterpret_cast<int32_t*>(g + 128)[m] = -12 * hsum8i(_mm256_add_epi32(q0, q1));
-    reinterpret_cast<float*>(g + 160)[m] = (amax / 127.0f) * 128.0f;
+    for (int u = 0; u < 4; ++u) std::memcpy(g + kQ8x8.vec(u) + 4 * m, &d[u], 4);
+    reinterpret_cast<int32_t*>(g + kQ8x8.bias())[m] = -12 * hsum8i(_mm256_add_epi32(q0, q1));
+    reinterpret_cast<float*>(g + kQ8x8.scale())[m] = (amax / 127.0f) * 128.0f;
   }
 }
 
@@ -92,12 +92,13 @@ static inline void group_step(const __m256i* A, const __m256i* B, const __m256* 
     const __m256i h1 = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(p1, 4), m4));
     for (int t = 0; t < NT; ++t) {
       const uint8_t* p = a[t] + off;
-      auto ld = [p](int o) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p + o)); };
-      __m256i acc = _mm256_dpbusd_avx_epi32(ld(128), l0, ld(0));
-      acc = _mm256_dpbusd_avx_epi32(acc, h0, ld(32));
-      acc = _mm256_dpbusd_avx_epi32(acc, l1, ld(64));
-      acc = _mm256_dpbusd_avx_epi32(acc, h1, ld(96));
-      const __m256 as = _mm256_load_ps(reinterpret_cast<const float*>(p + 160));
+      auto ld = [p](int64_t o) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p + o)); };
+      constexpr Q8Layout L = kQ8x8;
+      __m256i acc = _mm256_dpbusd_avx_epi32(ld(L.bias()), l0, ld(L.vec(0)));
+      acc = _mm256_dpbusd_avx_epi32(acc, h0, ld(L.vec(1)));
+      acc = _mm256_dpbusd_avx_epi32(acc, l1, ld(L.vec(2)));
+      acc = _mm256_dpbusd_avx_epi32(acc, h1, ld(L.vec(3)));
+      const __m256 as = _mm256_load_ps(reinterpret_cast<const float*>(p + L.scale()));
       facc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(ws[r], as), facc[r][t]);
     }
   }
@@ -124,10 +125,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   __m256 ws[R];
   const int64_t pf = prefetch_bytes();
   for (int64_t g = 0; g < ng; ++g) {
-    if (pf) {  // the linear cursor of the R rows (R x 64 B codes, R x 8 B scales a group)
-      prefetch_lines(wrow + g * 64 * R + pf, R);
-      prefetch_lines(wsc + g * 8 * R + pf / 8, 1);
-    }
+    if (pf) prefetch_rows_step(wrow, wsc, g * 64, 64, R, pf);
     for (int r = 0; r < R; ++r) {
       const uint8_t* w = wrow + r * rows + g * 64;
       A[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -138,10 +136,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int left = static_cast<int>(K / 16 - 8 * ng);  // 0..7 blocks after the groups
   if (left) {
-    if (pf) {  // the cursor's last stretch: left x 8 B codes, left B scales per row
-      prefetch_lines(wrow + ng * 64 * R + pf, (left * 8 * R + 63) / 64);
-      prefetch_lines(wsc + ng * 8 * R + pf / 8, (left * R + 63) / 64);
-    }
+    if (pf) prefetch_rows_step(wrow, wsc, ng * 64, left * 8, R, pf);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i ma = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left), lane);
     const __m256i mb = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left - 8), lane);

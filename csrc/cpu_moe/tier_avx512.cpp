@@ -71,7 +71,7 @@ static void glu_avx512(float* g, const float* u, int64_t n, float s_gate, float 
 // NVFP4 fp32 W4A16 (CPUs without VNNI): 16 codes -> fp32 with one vpermps from the E2M1
 // table, times the block's E4M3 scale, FMA with fp32 activations. 16 lanes per token.
 // ---------------------------------------------------------------------------
-struct RowF32 {  // one row against NT tokens (dot_nvfp4_rows of generic_kernels.h)
+struct RowF32 {  // one row against NT tokens (Nvfp4Row of generic_kernels.h)
   template <int NT>
   static void run(const uint8_t* wrow, const uint8_t* wsc, int64_t K, const uint8_t* const* a,
                   float* res, int64_t os) {
@@ -98,7 +98,7 @@ const Kernels& kernels_avx512() {
     Kernels t = avx512_tier::make_generic_table("avx512_fp32");
     t.stream_read = avx512_tier::stream_read_avx512;
     t.glu = avx512_tier::glu_avx512;
-    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = avx512_tier::dot_nvfp4_rows<avx512_tier::RowF32>;
+    t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx512_tier::Nvfp4Row<avx512_tier::RowF32>>;
     return t;
   }();
   return k;

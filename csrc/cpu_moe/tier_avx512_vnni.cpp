@@ -35,9 +35,9 @@ static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
     const __m128i q8 = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), split);
     const int32_t d[4] = {_mm_cvtsi128_si32(q8), _mm_extract_epi32(q8, 1),
                           _mm_extract_epi32(q8, 2), _mm_extract_epi32(q8, 3)};
-    for (int u = 0; u < 4; ++u) std::memcpy(sc + 64 * u + 4 * j, &d[u], 4);
-    reinterpret_cast<int32_t*>(sc + 256)[j] = -12 * _mm512_reduce_add_epi32(q);
-    reinterpret_cast<float*>(sc + 320)[j] = (amax / 127.0f) * 128.0f;
+    for (int u = 0; u < 4; ++u) std::memcpy(sc + kQ8x16.vec(u) + 4 * j, &d[u], 4);
+    reinterpret_cast<int32_t*>(sc + kQ8x16.bias())[j] = -12 * _mm512_reduce_add_epi32(q);
+    reinterpret_cast<float*>(sc + kQ8x16.scale())[j] = (amax / 127.0f) * 128.0f;
   }
 }
 
@@ -150,12 +150,11 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
   // FS[i] = d * sc[i] * da[i / 2]; the lanes of vector (half h, v) take FS[8h + 4v + j / 4]
   const __m512i da_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  __m512i lane_idx[4];
-  for (int hv = 0; hv < 4; ++hv) {
-    alignas(64) int32_t ix[16];
-    for (int j = 0; j < 16; ++j) ix[j] = 4 * hv + j / 4;
-    lane_idx[hv] = _mm512_load_si512(ix);
-  }
+  const __m512i lane_idx[4] = {
+      _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+      _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+      _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
+      _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
   __m512 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
