@@ -33,14 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--shape must be one of {', '.join(shapes)}")
     ex = CpuMoeExecutor(args.threads or default_threads(), isa=args.isa)
     lb = cpu_bench.LayerBench(shapes[args.shape], cpu_bench.dram_budget())
-    T, k = args.batch, lb.shape.top_k
+    T = args.batch
     x, out = torch.randn(T, lb.shape.hidden), torch.empty(T, lb.shape.hidden)
     ids, route, nbytes = lb.routing(args.calls, T, 1)
 
     def run() -> float:
-        return ex._ex.time_forward(x.data_ptr(), T, k, ids.data_ptr(), route.data_ptr(),
-                                   *lb.banks, lb.scales.data_ptr(), 0, out.data_ptr(),
-                                   args.calls)
+        return lb.time_forward(ex, x, out, ids, route)
 
     run()  # warm-up
     ex.profile_layers(True)

@@ -232,16 +232,20 @@ class LayerBench:
         route = torch.full((iters, T, k), 1.0 / k)
         return ids.to(torch.int32).contiguous(), route, touched * self.expert_bytes
 
+    def time_forward(self, ex: CpuMoeExecutor, x: torch.Tensor, out: torch.Tensor,
+                     ids: torch.Tensor, route: torch.Tensor) -> float:
+        """Seconds for ids.shape[0] silu layer calls on x [T, H] (routing from routing())."""
+        iters, T, k = ids.shape
+        return ex._ex.time_forward(x.data_ptr(), T, k, ids.data_ptr(), route.data_ptr(),
+                                   *self.banks, self.scales.data_ptr(), 0, out.data_ptr(), iters)
+
     def gbps(self, ex: CpuMoeExecutor, T: int, ceil: Ceiling) -> Figure:
         x = torch.randn(T, self.shape.hidden)
         out = torch.empty(T, self.shape.hidden)
 
         def run(iters: int, seed: int) -> tuple[float, int]:
             ids, route, nbytes = self.routing(iters, T, seed)
-            t = ex._ex.time_forward(x.data_ptr(), T, self.shape.top_k, ids.data_ptr(),
-                                    route.data_ptr(), *self.banks, self.scales.data_ptr(), 0,
-                                    out.data_ptr(), iters)
-            return t, nbytes
+            return self.time_forward(ex, x, out, ids, route), nbytes
 
         t, _ = run(4, 0)  # warm-up and an estimate of one call
         iters = max(8, min(4000, int(MIN_SECONDS / max(t / 4, 1e-6))))
