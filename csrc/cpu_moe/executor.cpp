@@ -55,10 +55,12 @@ void Executor::prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, 
 
 // Work units of a pool run over the rows of all active experts, concatenated expert-major (the
 // experts ascending, so memory ascending): unit u is the rows [total * u / n, total * (u + 1) / n)
-// cut at multiples of 4, possibly spanning an expert boundary. Every unit is a long contiguous
-// run of rows and their scales (one code stream and one scale stream per expert it touches)
-// and all units have the same bytes (the experts of a bank have equal rows), so the threads
-// finish together. kUnitsPerThread > 1 leaves a little slack for a thread that starts late.
+// cut at multiples of 4, possibly spanning an expert boundary. All units have the same bytes
+// (the experts of a bank have equal rows). The pool gives each thread a contiguous range of
+// units (ThreadPool::run_phases), so a thread streams one long run of rows and scales, and
+// the dots' prefetch past a unit's end lands on the thread's next unit; kUnitsPerThread units
+// a range are the slack for threads that run slower (a neighbour on their core): they finish
+// their range late and the others take its last units.
 constexpr int64_t kUnitsPerThread = 8;
 
 struct Split {
@@ -87,6 +89,11 @@ static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, co
                         int64_t c0, int64_t c1) {
   const int64_t H = a.w2.N;
   for (int64_t t = 0; t < a.T; ++t) {
+    // The k rows were written by other threads: request all their lines at once instead of
+    // one expert's after another (a cross-core transfer each).
+    for (int64_t j = 0; j < a.k; ++j)
+      prefetch_lines(reinterpret_cast<const uint8_t*>(d + pidx[t * a.k + j] * H + c0),
+                     static_cast<int>(((c1 - c0) * 4 + 63) / 64));
     float acc[kReduceRows] = {};
     for (int64_t j = 0; j < a.k; ++j) {
       const int64_t i = t * a.k + j;
@@ -109,10 +116,10 @@ static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, co
 // thread whose rows complete an expert applies the GLU to h[p][:I] for that expert's pairs,
 // prepares the down input aq[p] and marks the expert ready. Items [n1, n1 + n2) are units of
 // the experts' H down rows, d[p, rows] = aq[p] W_d[e, rows]^T, each waiting until its
-// experts are ready: items are claimed in increasing order, so every gate/up unit is already
-// running on some thread and none of those waits (no deadlock, on one thread too), and the
-// experts ascend, so the first down units find their experts ready while the last gate/up
-// units still run. Output block b (rows b * kReduceRows ...) is reduced by the thread whose
+// experts are ready: the two are phases of ThreadPool::run_phases, so when a thread takes a
+// down unit every gate/up unit is already running on some thread and none of those waits (no
+// deadlock, on one thread too); the experts ascend, so most down units find their experts
+// ready while the last gate/up units still run. Output block b (rows b * kReduceRows ...) is reduced by the thread whose
 // down rows complete it for every expert (a row count per block), in j order. All of this is
 // the same arithmetic whichever thread does it: results do not depend on the thread count.
 void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
@@ -123,14 +130,14 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
   const DotFn dot1 = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
   const DotFn dot2 = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
   const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
-  std::unique_ptr<std::atomic<int64_t>[]> rows_done(new std::atomic<int64_t>[nact]);
-  std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[nact]);
-  std::unique_ptr<std::atomic<int64_t>[]> blk_done(new std::atomic<int64_t>[nblk]);
+  // Counters on their own cache lines (threads update them at once), reused across calls.
+  ExpertSync* sync = sync_.get(nact);
+  Counter* blk_done = blk_.get(nblk);
   for (int64_t i = 0; i < nact; ++i) {
-    rows_done[i].store(0, std::memory_order_relaxed);
-    ready[i].store(0, std::memory_order_relaxed);
+    sync[i].rows_done.store(0, std::memory_order_relaxed);
+    sync[i].ready.store(0, std::memory_order_relaxed);
   }
-  for (int64_t b = 0; b < nblk; ++b) blk_done[b].store(0, std::memory_order_relaxed);
+  for (int64_t b = 0; b < nblk; ++b) blk_done[b].v.store(0, std::memory_order_relaxed);
   // Profiling: lap(field) adds the time since the last lap to this thread's field.
   const bool prof = profiling_;
   auto item_fn = [&](int64_t item, int tid) {
@@ -149,20 +156,21 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
         dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
              2 * I);
         lap(&LayerProfile::gate_up);
-        if (rows_done[ei].fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N) return;
+        if (sync[ei].rows_done.fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N)
+          return;
         const float* s = a.scales + e * 4;
         for (int64_t p = p0; p < p1; ++p) {
           float* g = h + p * 2 * I;
           k_->glu(g, g + I, I, s[0], s[1], static_cast<int>(a.act));
           prep2(g, I, aq + p * as);
         }
-        ready[ei].store(1, std::memory_order_release);
+        sync[ei].ready.store(1, std::memory_order_release);
         lap(&LayerProfile::glu);
       });
       return;
     }
     for_each_piece(sp2, item - sp1.n, H, [&](int64_t ei, int64_t r0, int64_t r1) {
-      wait_until_set(ready[ei]);
+      wait_until_set(sync[ei].ready);
       lap(&LayerProfile::wait);
       const int64_t p0 = rt.p0[ei];
       dot2(a.w2, rt.experts[ei], r0, r1 - r0, acts2 + p0, static_cast<int>(rt.p0[ei + 1] - p0),
@@ -171,14 +179,15 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       for (int64_t b = r0 / kReduceRows; b * kReduceRows < r1; ++b) {
         const int64_t c0 = b * kReduceRows, c1 = std::min(H, c0 + kReduceRows);
         const int64_t got = std::min(r1, c1) - std::max(r0, c0);
-        if (blk_done[b].fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
+        if (blk_done[b].v.fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
           reduce_rows(a, rt.pidx, d, c0, c1);
       }
       lap(&LayerProfile::reduce);
     });
   };
   const auto t0 = prof ? Clock::now() : Clock::time_point{};
-  pool_.run_tid(sp1.n + sp2.n, item_fn);
+  const int64_t phases[2] = {sp1.n, sp2.n};
+  pool_.run_phases(phases, 2, item_fn);
   if (prof) {
     prof_span_ += seconds_since(t0);
     prof_calls_++;
@@ -253,20 +262,19 @@ void Executor::dot(const Bank& w, int64_t e, const float* x, int64_t T, float* o
   auto** ptr = reinterpret_cast<const uint8_t**>(ptrs_.get(T * sizeof(void*)));
   for (int64_t t = 0; t < T; ++t) ptr[t] = xq + t * xs;
   const DotFn dot = k_->fmt[static_cast<int>(w.fmt)].dot;
-  // kUnitsPerThread contiguous runs of rows (and of their scales) per thread, claimed in
-  // order: each is one long stream, and a thread slowed by a neighbour on its core takes
-  // fewer (on the GPU host, 112-118 GB/s against 85-93 with one run per thread). Run i is rows
-  // [N * i / n, N * (i + 1) / n) rounded to 4 rows (a row's result does not depend on it).
+  // kUnitsPerThread runs of rows (and of their scales) per thread, rows
+  // [N * i / n, N * (i + 1) / n) rounded to 4 rows (a row's result does not depend on it),
+  // in contiguous ranges per thread (ThreadPool::run_phases).
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(threads, pool_.size()));
   const int64_t n = nt == 1 ? 1 : nt * kUnitsPerThread;
-  auto run = [&](int64_t i) {
+  auto run = [&](int64_t i, int) {
     const int64_t r0 = w.N * i / n / 4 * 4, r1 = i + 1 == n ? w.N : w.N * (i + 1) / n / 4 * 4;
     if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N);
   };
   if (n == 1) {
-    run(0);
+    run(0, 0);
   } else {
-    pool_.run(n, run);
+    pool_.run_phases(&n, 1, run);
   }
 }
 
@@ -292,14 +300,14 @@ double Executor::time_dot(const Bank& w, int64_t e, const float* x, int64_t iter
 std::pair<double, int64_t> Executor::time_stream(const uint8_t* p, int64_t n, int64_t iters,
                                                  int threads, int64_t dist) {
   threads = std::max(1, std::min(threads, pool_.size()));
-  // On the whole pool, kUnitsPerThread slices per thread claimed in order, as the dots and
-  // layers split their rows; on fewer threads, one slice each.
+  // On the whole pool, kUnitsPerThread slices per thread in contiguous ranges, as the dots
+  // and layers split their rows; on fewer threads, one slice each.
   const int64_t items = threads == pool_.size() && threads > 1 ? threads * kUnitsPerThread : threads;
   const int64_t slice = n / items / 256 * 256;
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < iters; ++i) {
     if (items > threads) {
-      pool_.run(items, [&](int64_t it) {
+      pool_.run_phases(&items, 1, [&](int64_t it, int) {
         g_sink.fetch_xor(k_->stream_read(p + it * slice, slice, dist));
       });
     } else {

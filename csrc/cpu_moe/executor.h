@@ -3,6 +3,7 @@
 // for each token t and each of its k (expert e, routing weight r).
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <utility>
@@ -39,6 +40,33 @@ class Scratch {
 
  private:
   std::vector<uint8_t> buf_;
+};
+
+// A growable array of T, reused across calls (T need not be movable: atomics).
+template <class T>
+class Slots {
+ public:
+  T* get(size_t n) {
+    if (n > cap_) {
+      p_.reset(new T[n]);
+      cap_ = n;
+    }
+    return p_.get();
+  }
+
+ private:
+  std::unique_ptr<T[]> p_;
+  size_t cap_ = 0;
+};
+
+// Per active expert of a layer call: gate/up rows done, and its down input ready. One cache
+// line each: threads finishing rows of different experts update them at the same time.
+struct alignas(64) ExpertSync {
+  std::atomic<int64_t> rows_done{0};
+  std::atomic<int> ready{0};
+};
+struct alignas(64) Counter {
+  std::atomic<int64_t> v{0};
 };
 
 // Where the layers' time went on one thread (seconds summed over the profiled calls): its
@@ -97,6 +125,8 @@ class Executor {
   ThreadPool pool_;
   const Kernels* k_;
   Scratch xq_, h_, aq_, d_, ptrs_, ptrs2_;
+  Slots<ExpertSync> sync_;
+  Slots<Counter> blk_;
   bool profiling_ = false;
   std::vector<LayerProfile> prof_;
   double prof_span_ = 0;

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <stdexcept>
 
 namespace ft {
 
@@ -62,7 +63,8 @@ static void pin_workers(std::vector<std::thread>& threads) {
   }
 }
 
-ThreadPool::ThreadPool(int num_threads) : n_(num_threads < 1 ? 1 : num_threads) {
+ThreadPool::ThreadPool(int num_threads)
+    : n_(num_threads < 1 ? 1 : num_threads), cursors_(new Cursor[kMaxPhases * n_]) {
   for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
   pin_workers(threads_);
 }
@@ -133,6 +135,37 @@ void ThreadPool::run_tid(int64_t n_items, const std::function<void(int64_t, int)
   std::atomic<int64_t> next{0};
   run_per_thread([&](int tid) {
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(i, tid);
+  });
+}
+
+void ThreadPool::run_phases(const int64_t* sizes, int nphases,
+                            const std::function<void(int64_t, int)>& fn) {
+  if (nphases < 1 || nphases > kMaxPhases) throw std::invalid_argument("run_phases: 1 or 2 phases");
+  int64_t total = 0;
+  for (int p = 0; p < nphases; ++p) total += sizes[p];
+  if (total <= 0) return;
+  if (n_ == 1) {
+    for (int64_t i = 0; i < total; ++i) fn(i, 0);
+    return;
+  }
+  for (int p = 0; p < nphases; ++p)
+    for (int t = 0; t < n_; ++t) {  // published to the workers by run_per_thread's release
+      Cursor& c = cursors_[p * n_ + t];
+      c.next.store(sizes[p] * t / n_, std::memory_order_relaxed);
+      c.end = sizes[p] * (t + 1) / n_;
+    }
+  run_per_thread([&](int tid) {
+    int64_t base = 0;
+    for (int p = 0; p < nphases; ++p) {
+      Cursor* cs = &cursors_[p * n_];
+      for (int v = 0; v < n_; ++v) {  // own range first, then the others' in thread order
+        Cursor& c = cs[(tid + v) % n_];
+        for (int64_t i = c.next.fetch_add(1, std::memory_order_relaxed); i < c.end;
+             i = c.next.fetch_add(1, std::memory_order_relaxed))
+          fn(base + i, tid);
+      }
+      base += sizes[p];
+    }
   });
 }
 

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -35,6 +36,16 @@ class ThreadPool {
   // The same, fn(item, tid) also told which thread runs it.
   void run_tid(int64_t n_items, const std::function<void(int64_t, int)>& fn);
 
+  // fn(item, tid) for the items of up to kMaxPhases phases run one after another: phase p is
+  // items [b_p, b_p + sizes[p]), b_p = sizes[0] + ... + sizes[p - 1]. Each phase's items are
+  // cut into size() contiguous ranges, one per thread. A thread runs its own range in
+  // increasing order (claims on its own cache line, so they cost no contention, and its items
+  // are neighbours in memory when the caller's are), then takes what is left of the others'
+  // ranges (the next thread's first), and enters the next phase only when every item of this
+  // one is claimed: an item of phase p + 1 may wait for items of phase p (they are all running).
+  static constexpr int kMaxPhases = 2;
+  void run_phases(const int64_t* sizes, int nphases, const std::function<void(int64_t, int)>& fn);
+
  private:
   void worker(int tid);
 
@@ -46,6 +57,12 @@ class ThreadPool {
   std::atomic<int> pending_{0};
   std::atomic<bool> stop_{false};
   const std::function<void(int)>* job_ = nullptr;
+
+  struct alignas(64) Cursor {  // one thread's range of one phase
+    std::atomic<int64_t> next{0};
+    int64_t end = 0;
+  };
+  std::unique_ptr<Cursor[]> cursors_;  // [kMaxPhases][n_] (declared after n_)
 };
 
 }  // namespace ft
