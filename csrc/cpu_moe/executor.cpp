@@ -53,35 +53,45 @@ void Executor::prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, 
   pool_.run(T, [&](int64_t t) { prep(x + t * K, K, out + t * stride); });
 }
 
-// Work units of a pool run over the rows of all active experts, concatenated expert-major (the
-// experts ascending, so memory ascending): unit u is the rows [total * u / n, total * (u + 1) / n)
-// cut at multiples of 4, possibly spanning an expert boundary. All units have the same bytes
-// (the experts of a bank have equal rows). The pool gives each thread a contiguous range of
-// units (ThreadPool::run_phases), so a thread streams one long run of rows and scales, and
-// the dots' prefetch past a unit's end lands on the thread's next unit; kUnitsPerThread units
-// a range are the slack for threads that run slower (a neighbour on their core): they finish
-// their range late and the others take its last units.
+// Work units of the DRAM dot and the streaming ceiling: kUnitsPerThread runs of rows per
+// thread, in contiguous ranges per thread (ThreadPool::run_phases), so a thread streams one
+// long run of rows and scales and the dots' prefetch past a unit's end lands on the thread's
+// next unit; the units a range has are the slack for threads that run slower (a neighbour on
+// their core): they finish their range late and the others take its last units.
 constexpr int64_t kUnitsPerThread = 8;
 
-struct Split {
-  int64_t total, n;  // rows, units
-  int64_t begin(int64_t u) const { return u == n ? total : total * u / n / 4 * 4; }
+// The rows of each active expert of a layer, cut into one slot per thread (at multiples of 4
+// rows) and each slot into `units` work items of about kUnitBytes. Items are numbered slot-
+// major, then expert, then unit: item i is unit i % units of expert (i / units) % nact in slot
+// i / (units * nact), so thread t's range of a pool run (ThreadPool::run_phases) is slot t:
+// its share of every expert, expert after expert, each share one contiguous run of rows.
+// Every thread thus finishes expert e's gate/up share at about (e + 1) / nact of the phase, so
+// experts become ready in order while the phase runs (the down phase starts on ready experts),
+// and the thread that computes a slot's down rows for every expert also reduces them (the
+// rows of all experts for its output rows are in its own cache).
+constexpr int64_t kUnitBytes = 32 << 10;
+
+struct SlotSplit {
+  int64_t rows, nact, slots, units;
+  int64_t items() const { return slots * nact * units; }
+  int64_t slot_begin(int64_t t) const { return t == slots ? rows : rows * t / slots / 4 * 4; }
+  // First row of unit u of slot t (u == units: the slot's end).
+  int64_t row(int64_t t, int64_t u) const {
+    const int64_t a = slot_begin(t), b = slot_begin(t + 1);
+    return u == units ? b : a + (b - a) * u / units / 4 * 4;
+  }
+  void item(int64_t i, int64_t& t, int64_t& ei, int64_t& u) const {
+    t = i / (nact * units);
+    ei = i / units % nact;
+    u = i % units;
+  }
 };
 
-static Split split_rows(int64_t total, int threads) {
-  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads * kUnitsPerThread, total / 4));
-  return Split{total, n};
-}
-
-// Calls fn(ei, r0, r1) for each expert piece of unit u (rows r0..r1-1 of active expert ei).
-template <typename Fn>
-static void for_each_piece(const Split& sp, int64_t u, int64_t rows, Fn&& fn) {
-  const int64_t g0 = sp.begin(u), g1 = sp.begin(u + 1);
-  for (int64_t ei = g0 / rows; ei * rows < g1; ++ei) {
-    const int64_t r0 = std::max(g0, ei * rows) - ei * rows;
-    const int64_t r1 = std::min(g1, (ei + 1) * rows) - ei * rows;
-    if (r1 > r0) fn(ei, r0, r1);
-  }
+static SlotSplit slot_split(int64_t rows, int64_t row_bytes, int64_t nact, int threads) {
+  const int64_t slots = std::max<int64_t>(1, std::min<int64_t>(threads, rows / 4));
+  const int64_t units = std::max<int64_t>(
+      1, std::min<int64_t>(rows / slots / 4, (rows / slots * row_bytes + kUnitBytes / 2) / kUnitBytes));
+  return SlotSplit{rows, nact, slots, units};
 }
 
 // y[t, c0:c1] = sum_j route[t, j] * d[p(t, j), c0:c1] * s_down, in j order (fixed order).
@@ -111,33 +121,34 @@ static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, co
   }
 }
 
-// Both halves of a layer in one pool run (one barrier, no gap between them). Items [0, n1)
-// are units of the experts' 2I gate/up rows (split_rows), h[p] = [x W_g^T | x W_u^T]; the
-// thread whose rows complete an expert applies the GLU to h[p][:I] for that expert's pairs,
-// prepares the down input aq[p] and marks the expert ready. Items [n1, n1 + n2) are units of
-// the experts' H down rows, d[p, rows] = aq[p] W_d[e, rows]^T, each waiting until its
-// experts are ready: the two are phases of ThreadPool::run_phases, so when a thread takes a
-// down unit every gate/up unit is already running on some thread and none of those waits (no
-// deadlock, on one thread too); the experts ascend, so most down units find their experts
-// ready while the last gate/up units still run. Output block b (rows b * kReduceRows ...) is reduced by the thread whose
-// down rows complete it for every expert (a row count per block), in j order. All of this is
-// the same arithmetic whichever thread does it: results do not depend on the thread count.
+// Both halves of a layer in one pool run (one barrier, no gap between them), as two phases
+// of ThreadPool::run_phases over SlotSplit items. Phase 1: the experts' 2I gate/up rows,
+// h[p] = [x W_g^T | x W_u^T]; the thread whose rows complete an expert applies the GLU to
+// h[p][:I] for that expert's pairs, prepares the down input aq[p] and marks the expert ready.
+// Phase 2: the experts' H down rows, d[p, rows] = aq[p] W_d[e, rows]^T, each item waiting until
+// its expert is ready; when a thread takes a phase-2 item every phase-1 item is already
+// running on some thread and none of those waits (no deadlock, on one thread too). The items
+// of a slot's unit u (one per expert) count down; the thread that completes the last reduces
+// the unit's output rows, y[t, rows] = sum_j route[t, j] * d[p(t, j), rows] * s_down in j order.
+// All of this is the same arithmetic whichever thread does it: results do not depend on the
+// thread count.
 void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
                      uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d) {
   const int64_t N = a.w13.N, I = N / 2, H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
-  const int64_t nblk = (H + kReduceRows - 1) / kReduceRows;
-  const Split sp1 = split_rows(N * nact, pool_.size()), sp2 = split_rows(H * nact, pool_.size());
+  const SlotSplit sp1 = slot_split(N, a.w13.expert_bytes() / N, nact, pool_.size());
+  const SlotSplit sp2 = slot_split(H, a.w2.expert_bytes() / H, nact, pool_.size());
   const DotFn dot1 = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
   const DotFn dot2 = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
   const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
   // Counters on their own cache lines (threads update them at once), reused across calls.
   ExpertSync* sync = sync_.get(nact);
-  Counter* blk_done = blk_.get(nblk);
+  const int64_t nunits = sp2.slots * sp2.units;
+  Counter* unit_done = blk_.get(nunits);
   for (int64_t i = 0; i < nact; ++i) {
     sync[i].rows_done.store(0, std::memory_order_relaxed);
     sync[i].ready.store(0, std::memory_order_relaxed);
   }
-  for (int64_t b = 0; b < nblk; ++b) blk_done[b].v.store(0, std::memory_order_relaxed);
+  for (int64_t b = 0; b < nunits; ++b) unit_done[b].v.store(0, std::memory_order_relaxed);
   // Profiling: lap(field) adds the time since the last lap to this thread's field.
   const bool prof = profiling_;
   auto item_fn = [&](int64_t item, int tid) {
@@ -150,43 +161,45 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       t = t2;
     };
     if (pr) pr->items++;
-    if (item < sp1.n) {
-      for_each_piece(sp1, item, N, [&](int64_t ei, int64_t r0, int64_t r1) {
-        const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
-        dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
-             2 * I);
-        lap(&LayerProfile::gate_up);
-        if (sync[ei].rows_done.fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N)
-          return;
-        const float* s = a.scales + e * 4;
-        for (int64_t p = p0; p < p1; ++p) {
-          float* g = h + p * 2 * I;
-          k_->glu(g, g + I, I, s[0], s[1], static_cast<int>(a.act));
-          prep2(g, I, aq + p * as);
-        }
-        sync[ei].ready.store(1, std::memory_order_release);
-        lap(&LayerProfile::glu);
-      });
+    int64_t slot, ei, u;
+    if (item < sp1.items()) {
+      sp1.item(item, slot, ei, u);
+      const int64_t r0 = sp1.row(slot, u), r1 = sp1.row(slot, u + 1);
+      if (r1 == r0) return;
+      const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
+      dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
+           2 * I);
+      lap(&LayerProfile::gate_up);
+      if (sync[ei].rows_done.fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N)
+        return;
+      const float* s = a.scales + e * 4;
+      for (int64_t p = p0; p < p1; ++p) {
+        float* g = h + p * 2 * I;
+        k_->glu(g, g + I, I, s[0], s[1], static_cast<int>(a.act));
+        prep2(g, I, aq + p * as);
+      }
+      sync[ei].ready.store(1, std::memory_order_release);
+      lap(&LayerProfile::glu);
       return;
     }
-    for_each_piece(sp2, item - sp1.n, H, [&](int64_t ei, int64_t r0, int64_t r1) {
+    sp2.item(item - sp1.items(), slot, ei, u);
+    const int64_t r0 = sp2.row(slot, u), r1 = sp2.row(slot, u + 1);
+    if (r1 > r0) {
       wait_until_set(sync[ei].ready);
       lap(&LayerProfile::wait);
       const int64_t p0 = rt.p0[ei];
       dot2(a.w2, rt.experts[ei], r0, r1 - r0, acts2 + p0, static_cast<int>(rt.p0[ei + 1] - p0),
            d + p0 * H + r0, H);
       lap(&LayerProfile::down);
-      for (int64_t b = r0 / kReduceRows; b * kReduceRows < r1; ++b) {
-        const int64_t c0 = b * kReduceRows, c1 = std::min(H, c0 + kReduceRows);
-        const int64_t got = std::min(r1, c1) - std::max(r0, c0);
-        if (blk_done[b].v.fetch_add(got, std::memory_order_acq_rel) + got == nact * (c1 - c0))
-          reduce_rows(a, rt.pidx, d, c0, c1);
-      }
+    }
+    if (unit_done[slot * sp2.units + u].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nact) {
+      for (int64_t c0 = r0; c0 < r1; c0 += kReduceRows)
+        reduce_rows(a, rt.pidx, d, c0, std::min(r1, c0 + kReduceRows));
       lap(&LayerProfile::reduce);
-    });
+    }
   };
   const auto t0 = prof ? Clock::now() : Clock::time_point{};
-  const int64_t phases[2] = {sp1.n, sp2.n};
+  const int64_t phases[2] = {sp1.items(), sp2.items()};
   pool_.run_phases(phases, 2, item_fn);
   if (prof) {
     prof_span_ += seconds_since(t0);

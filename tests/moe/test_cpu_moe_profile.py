@@ -29,9 +29,11 @@ def test_profile_accounts_every_unit_and_changes_nothing():
     prof = ex.layer_profile()
     ex.profile_layers(False)
     assert prof["calls"] == calls and len(prof["threads"]) == 3 and prof["span"] > 0
-    # units: 8 per thread for gate/up and for down, capped at rows / 4 (split_rows)
+    # items (executor.cpp, slot_split): per phase, one slot per thread of every active
+    # expert's rows, each slot cut into units of ~32 KiB; these slots (85 rows of 144 B
+    # gate/up, of 72 B down) are one unit each
     active = len(torch.unique(ids))
-    units = min(3 * 8, 2 * inter * active // 4) + min(3 * 8, H * active // 4)
+    units = 2 * 3 * active
     assert sum(t["items"] for t in prof["threads"]) == pytest.approx(units)
     for t in prof["threads"]:
         parts = [t[f] for f in ("gate_up", "glu", "wait", "down", "reduce")]
