@@ -75,10 +75,12 @@ NB_MODULE(_cpu_moe, m) {
           nb::call_guard<nb::gil_scoped_release>())
       .def(
           "time_stream",
-          [](Executor& ex, uintptr_t p, int64_t n, int64_t iters, int threads, int64_t dist) {
-            return ex.time_stream(ptr<const uint8_t>(p), n, iters, threads, dist);
+          [](Executor& ex, uintptr_t p, int64_t n, int64_t iters, int threads, int64_t dist,
+             int64_t far) {
+            return ex.time_stream(ptr<const uint8_t>(p), n, iters, threads, dist, far);
           },
-          nb::call_guard<nb::gil_scoped_release>())
+          nb::arg("p"), nb::arg("n"), nb::arg("iters"), nb::arg("threads"), nb::arg("dist"),
+          nb::arg("far") = 0, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "glu",
           [](const Executor& ex, uintptr_t g, uintptr_t u, int64_t n, float sg, float su,

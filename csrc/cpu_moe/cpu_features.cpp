@@ -18,6 +18,8 @@ namespace ft {
 
 // 4 KiB: one 4-row group ahead at K = 2048; 4-16 KiB measured alike (2-thread DRAM dot)
 constexpr int64_t PF_DEFAULT = 4096;
+// 16 KiB into L2: 8-32 KiB measured alike (1-thread DRAM dot)
+constexpr int64_t PF_L2_DEFAULT = 16384;
 
 // ============================================================================
 // detection
@@ -93,14 +95,22 @@ std::string supported_tiers() {
   return s + "scalar";
 }
 
+// Bytes from an environment variable (rounded down to 64), `dflt` when unset or not a number.
+static int64_t env_bytes(const char* name, int64_t dflt) {
+  const char* v = std::getenv(name);
+  if (!v || !v[0]) return dflt;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return (end && *end == 0 && x >= 0) ? static_cast<int64_t>(x) / 64 * 64 : dflt;
+}
+
 int64_t prefetch_bytes() {
-  static const int64_t d = [] {
-    const char* v = std::getenv("FREETOKEN_CPU_MOE_PREFETCH");
-    if (!v || !v[0]) return int64_t{PF_DEFAULT};
-    char* end = nullptr;
-    const long long x = std::strtoll(v, &end, 10);
-    return (end && *end == 0 && x >= 0) ? static_cast<int64_t>(x) / 64 * 64 : int64_t{PF_DEFAULT};
-  }();
+  static const int64_t d = env_bytes("FREETOKEN_CPU_MOE_PREFETCH", PF_DEFAULT);
+  return d;
+}
+
+int64_t prefetch_l2_bytes() {
+  static const int64_t d = env_bytes("FREETOKEN_CPU_MOE_PREFETCH_L2", PF_L2_DEFAULT);
   return d;
 }
 

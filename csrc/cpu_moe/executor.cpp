@@ -311,7 +311,7 @@ double Executor::time_dot(const Bank& w, int64_t e, const float* x, int64_t iter
 }
 
 std::pair<double, int64_t> Executor::time_stream(const uint8_t* p, int64_t n, int64_t iters,
-                                                 int threads, int64_t dist) {
+                                                 int threads, int64_t dist, int64_t far) {
   threads = std::max(1, std::min(threads, pool_.size()));
   // On the whole pool, kUnitsPerThread slices per thread in contiguous ranges, as the dots
   // and layers split their rows; on fewer threads, one slice each.
@@ -321,11 +321,11 @@ std::pair<double, int64_t> Executor::time_stream(const uint8_t* p, int64_t n, in
   for (int64_t i = 0; i < iters; ++i) {
     if (items > threads) {
       pool_.run_phases(&items, 1, [&](int64_t it, int) {
-        g_sink.fetch_xor(k_->stream_read(p + it * slice, slice, dist));
+        g_sink.fetch_xor(k_->stream_read(p + it * slice, slice, dist, far));
       });
     } else {
       pool_.run_per_thread([&](int tid) {
-        if (tid < threads) g_sink.fetch_xor(k_->stream_read(p + tid * slice, slice, dist));
+        if (tid < threads) g_sink.fetch_xor(k_->stream_read(p + tid * slice, slice, dist, far));
       });
     }
   }

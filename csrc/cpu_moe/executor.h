@@ -108,9 +108,9 @@ class Executor {
   double profile_span() const { return prof_span_; }
   int64_t profile_calls() const { return prof_calls_; }
   // (seconds, bytes read) for `iters` streaming reads of up to n bytes split over `threads`
-  // threads, software-prefetching `dist` bytes ahead.
+  // threads, software-prefetching `dist` bytes ahead into L1 and `far` into L2 (0 = none).
   std::pair<double, int64_t> time_stream(const uint8_t* p, int64_t n, int64_t iters,
-                                         int threads, int64_t dist);
+                                         int threads, int64_t dist, int64_t far);
 
  private:
   void prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, uint8_t* out,

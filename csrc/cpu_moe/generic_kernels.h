@@ -268,11 +268,12 @@ static void dot_q8(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
 // ---------------------------------------------------------------------------
 // streaming read (portable fallback) and the table
 // ---------------------------------------------------------------------------
-static uint64_t stream_read_generic(const uint8_t* p, int64_t n, int64_t dist) {
+static uint64_t stream_read_generic(const uint8_t* p, int64_t n, int64_t dist, int64_t far) {
   const uint64_t* q = reinterpret_cast<const uint64_t*>(p);
   uint64_t a[8] = {};
   for (int64_t i = 0; i < n / 8; i += 8) {
     if (dist > 0 && 8 * i + dist < n) prefetch_lines(p + 8 * i + dist, 1);
+    if (far > 0 && 8 * i + far < n) prefetch_lines_l2(p + 8 * i + far, 1);
     for (int l = 0; l < 8; ++l) a[l] ^= q[i + l];
   }
   return a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7];

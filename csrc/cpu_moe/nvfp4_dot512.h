@@ -111,9 +111,9 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   const int64_t ns = K / kQ8x16.group_k();
   __m512i A[R], B[R];
   __m512 ws[R];
-  const int64_t pf = prefetch_bytes();
+  const int64_t pf = prefetch_bytes(), far = prefetch_l2_bytes();
   for (int64_t s = 0; s < ns; ++s) {
-    if (pf) prefetch_rows_step(wrow, wsc, s * 128, 128, R, pf);
+    prefetch_rows_step(wrow, wsc, s * 128, 128, R, pf, far);
     for (int r = 0; r < R; ++r) {
       A[r] = _mm512_loadu_si512(wrow + r * rows + s * 128);
       B[r] = _mm512_loadu_si512(wrow + r * rows + s * 128 + 64);
@@ -124,7 +124,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int64_t left = K / 16 - 16 * ns;  // 0..15 blocks after the groups
   if (left) {
-    if (pf) prefetch_rows_step(wrow, wsc, ns * 128, left * 8, R, pf);
+    prefetch_rows_step(wrow, wsc, ns * 128, left * 8, R, pf, far);
     const int64_t nb = left * 8;  // their code bytes, 8..120
     const __mmask64 ma = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
     const __mmask64 mb = nb <= 64 ? 0ULL : (1ULL << (nb - 64)) - 1;

@@ -10,10 +10,11 @@ namespace ft {
 namespace avx2_tier {
 #include "generic_kernels.h"
 
-static uint64_t stream_read_avx2(const uint8_t* p, int64_t n, int64_t dist) {
+static uint64_t stream_read_avx2(const uint8_t* p, int64_t n, int64_t dist, int64_t far) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < n; i += 128) {
     if (dist > 0 && i + dist < n) prefetch_lines(p + i + dist, 2);
+    if (far > 0 && i + far < n) prefetch_lines_l2(p + i + far, 2);
     a0 = _mm256_xor_si256(a0, _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + i)));
     a1 = _mm256_xor_si256(a1, _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
     a2 = _mm256_xor_si256(a2, _mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));

@@ -123,9 +123,9 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   const int64_t ng = K / kQ8x8.group_k();
   __m256i A[R], B[R];
   __m256 ws[R];
-  const int64_t pf = prefetch_bytes();
+  const int64_t pf = prefetch_bytes(), far = prefetch_l2_bytes();
   for (int64_t g = 0; g < ng; ++g) {
-    if (pf) prefetch_rows_step(wrow, wsc, g * 64, 64, R, pf);
+    prefetch_rows_step(wrow, wsc, g * 64, 64, R, pf, far);
     for (int r = 0; r < R; ++r) {
       const uint8_t* w = wrow + r * rows + g * 64;
       A[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -136,7 +136,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int left = static_cast<int>(K / 16 - 8 * ng);  // 0..7 blocks after the groups
   if (left) {
-    if (pf) prefetch_rows_step(wrow, wsc, ng * 64, left * 8, R, pf);
+    prefetch_rows_step(wrow, wsc, ng * 64, left * 8, R, pf, far);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i ma = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left), lane);
     const __m256i mb = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left - 8), lane);

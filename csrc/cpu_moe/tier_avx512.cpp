@@ -9,10 +9,11 @@ namespace avx512_tier {
 #include "generic_kernels.h"
 
 // Streaming loads (vmovntdqa) over 256 bytes per step, 4 independent accumulators.
-static uint64_t stream_read_avx512(const uint8_t* p, int64_t n, int64_t dist) {
+static uint64_t stream_read_avx512(const uint8_t* p, int64_t n, int64_t dist, int64_t far) {
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < n; i += 256) {
     if (dist > 0 && i + dist < n) prefetch_lines(p + i + dist, 4);
+    if (far > 0 && i + far < n) prefetch_lines_l2(p + i + far, 4);
     a0 = _mm512_xor_si512(a0, _mm512_stream_load_si512((void*)(p + i)));
     a1 = _mm512_xor_si512(a1, _mm512_stream_load_si512((void*)(p + i + 64)));
     a2 = _mm512_xor_si512(a2, _mm512_stream_load_si512((void*)(p + i + 128)));

@@ -11,11 +11,11 @@ Measured in one run, per tier:
   at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM, LAYER_RUNS
   runs of MIN_SECONDS each with fresh routing;
 - the streaming-read ceiling: AVX-512 streaming loads (AVX2 where absent) on all threads over
-  the DRAM buffer, software prefetch at each distance of CEILING_PREFETCH, the best of PASSES
-  sweeps each, at the start.
+  the DRAM buffer, with each software-prefetch setting of CEILING_PREFETCH (the dots' own
+  included), the best of PASSES sweeps each, at the start.
 The host's read bandwidth moves during a run (a shared machine: on the GPU host, sweeps of one
 run ranged 96-144 GB/s), so a ratio against a ceiling measured at another moment is noise.
-Each run of a DRAM figure is therefore paired: a ceiling sweep (the best distance of the start,
+Each run of a DRAM figure is therefore paired: a ceiling sweep (the best setting of the start,
 ADJ_PASSES passes) right before and right after it, and the run's share is its GB/s over the
 higher of the two. A figure's GB/s is its best run, its % the best paired share. The 1-core L2
 dot is compared with one core's streaming read.
@@ -128,23 +128,26 @@ def _repeat(fn, min_seconds: float = MIN_SECONDS) -> tuple[float, int]:
 # ---------------------------------------------------------------------------
 # measurements
 # ---------------------------------------------------------------------------
-# Software-prefetch distances (bytes) tried by the ceiling. The dots prefetch ahead
-# (FREETOKEN_CPU_MOE_PREFETCH): a ceiling measured without it can sit below what the dots
-# read, and a low ceiling flatters every ratio. The ceiling is the best over all of them.
-CEILING_PREFETCH = (0, 2048, 4096, 8192, 16384)
+# Software-prefetch settings tried by the ceiling: (bytes ahead into L1, bytes ahead into L2),
+# 0 = none. The dots prefetch both ways (FREETOKEN_CPU_MOE_PREFETCH, _PREFETCH_L2; defaults
+# 4096 and 16384): a ceiling measured without that can sit below what the dots read, and a low
+# ceiling flatters every ratio. The ceiling is the best over all of them.
+CEILING_PREFETCH = ((0, 0), (2048, 0), (4096, 0), (8192, 0), (16384, 0), (2048, 16384),
+                    (4096, 16384), (4096, 32768))
 
 
 def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int,
-            distances: tuple[int, ...] = CEILING_PREFETCH, passes: int | None = None) -> float:
+            settings: tuple[tuple[int, int], ...] = CEILING_PREFETCH,
+            passes: int | None = None) -> float:
     """Streaming-read GB/s: best of `passes` sweeps of the whole buffer on `threads` threads,
-    over every prefetch distance in `distances`."""
+    over every prefetch setting in `settings`."""
 
-    def sweep(d: int) -> float:
-        t, nbytes = ex._ex.time_stream(buf.data_ptr(), buf.numel(), 1, threads, d)
+    def sweep(d: tuple[int, int]) -> float:
+        t, nbytes = ex._ex.time_stream(buf.data_ptr(), buf.numel(), 1, threads, *d)
         return nbytes / t / 1e9
 
     best = 0.0
-    for d in distances:
+    for d in settings:
         sweep(d)  # warm-up
         best = max(best, max(sweep(d) for _ in range(passes or PASSES)))
     return best
@@ -152,17 +155,17 @@ def ceiling(ex: CpuMoeExecutor, buf: torch.Tensor, threads: int,
 
 class Ceiling:
     """The streaming-read ceiling of the DRAM buffer on `threads` threads: measured in full at
-    the start (every distance, PASSES sweeps), then swept around each run of a DRAM figure."""
+    the start (every setting, PASSES sweeps), then swept around each run of a DRAM figure."""
 
     def __init__(self, ex: CpuMoeExecutor, buf: torch.Tensor, threads: int):
         self.ex, self.buf, self.threads = ex, buf, threads
         per = {d: ceiling(ex, buf, threads, (d,)) for d in CEILING_PREFETCH}
-        self.distance = max(per, key=per.get)
-        self.start = per[self.distance]
+        self.setting = max(per, key=per.get)
+        self.start = per[self.setting]
         self.sweeps: list[float] = []
 
     def sweep(self) -> float:
-        c = ceiling(self.ex, self.buf, self.threads, (self.distance,), ADJ_PASSES)
+        c = ceiling(self.ex, self.buf, self.threads, (self.setting,), ADJ_PASSES)
         self.sweeps.append(c)
         return c
 
@@ -289,7 +292,7 @@ def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> 
     from freetoken import _cpu_moe
 
     res = {"threads": threads, "tiers": tiers, "dram_bytes": big.nbytes(),
-           "ceiling_gbps": ceil.start, "ceiling_prefetch": ceil.distance,
+           "ceiling_gbps": ceil.start, "ceiling_prefetch": list(ceil.setting),
            "ceiling_1thread_gbps": ceiling(best, big.data, 1),
            "core_clock_ghz": _cpu_moe.core_clock_ghz(0.2), "figures": {}, "percent": {}}
     log(f"read ceiling ({best.isa} stream loads): {res['ceiling_gbps']:.1f} GB/s on {threads} "
@@ -346,7 +349,8 @@ def format_table(res: dict) -> str:
         f"B/cycle at the measured {ghz:.2f} GHz: {per_cycle}",
         f"other rows: best run, % = best run / the higher of the ceiling sweeps just before and "
         f"after it; read ceiling on {res['threads']} threads: {res['ceiling_gbps']:.1f} GB/s at "
-        f"the start (prefetch {res['ceiling_prefetch']} B), {len(sw)} paired sweeps "
+        f"the start (prefetch {res['ceiling_prefetch'][0]} B into L1, "
+        f"{res['ceiling_prefetch'][1]} B into L2), {len(sw)} paired sweeps "
         f"{min(sw):.0f}-{max(sw):.0f} GB/s (median {sorted(sw)[len(sw) // 2]:.0f}); "
         f"{res['seconds']:.0f} s",
     ]
