@@ -2,6 +2,7 @@
 // kernel table and small scalar helpers (E4M3 / BF16 / FP16 decoding).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,9 +41,12 @@ struct Bank {
 
 // out[t * out_stride + i] = dot(row r0 + i of expert e, activation t) for i < nrows, t < ntok.
 // `acts[t]` points at token t's prepared activation (layout chosen by the tier's `prep`).
+// `ahead`: the caller reads the next `ahead` rows of expert e after these, so a dot may
+// prefetch into them, and nothing beyond (other threads' rows: bandwidth spent for nothing).
 // NOTE: each row's result must not depend on r0, nrows or ntok (thread-count invariance).
 using DotFn = void (*)(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                       const uint8_t* const* acts, int ntok, float* out, int64_t out_stride);
+                       const uint8_t* const* acts, int ntok, float* out, int64_t out_stride,
+                       int64_t ahead);
 using ActBytesFn = int64_t (*)(int64_t K);
 using PrepFn = void (*)(const float* x, int64_t K, uint8_t* out);
 
@@ -91,23 +95,37 @@ int64_t prefetch_l2_bytes();
   for (int l = 0; l < n; ++l) asm volatile("prefetcht1 %0" : : "m"(*(p + 64 * l)));
 }
 
-// The NVFP4 dots' prefetch for R adjacent rows read a step at a time: `done` code bytes of
-// each row read so far, `step` bytes of each row in this step. The R rows are one contiguous
-// stretch, so the cursor is linear (R x done) and runs `pf` bytes ahead into L1 and `far`
-// bytes ahead into L2 (either 0 = off); the scales (one byte per 8 code bytes) follow at an
-// eighth of both. Forced inline: as a call it cost the 256-bit dot 4% (1 core, L2), its counts
-// no longer folded to constants.
+// Where an NVFP4 dot's prefetch runs: `pf` / `far` bytes of codes ahead of the read cursor
+// into L1 / L2 (0 = off), the scales (one byte per 8 code bytes) at an eighth of both, and
+// not once the codes' target passes `code_end` (the end of the rows the caller reads next).
+struct Prefetch {
+  int64_t pf, far;
+  const uint8_t* code_end;
+};
+
+// An NVFP4 dot's Prefetch for rows [r0, r0 + nrows) of expert e, `ahead` rows read next.
+inline Prefetch nvfp4_prefetch(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
+                               int64_t ahead) {
+  const int64_t end = e * w.N + std::min(w.N, r0 + nrows + ahead);
+  return Prefetch{prefetch_bytes(), prefetch_l2_bytes(), w.data + end * w.row_bytes};
+}
+
+// The prefetch for R adjacent rows read a step at a time: `done` code bytes of each row read
+// so far, `step` bytes of each row in this step. The R rows are one contiguous stretch, so the
+// cursor is linear (R x done). Forced inline: as a call it cost the 256-bit dot 4% (1 core,
+// L2), its counts no longer folded to constants.
 [[gnu::always_inline]] inline void prefetch_rows_step(const uint8_t* wrow, const uint8_t* wsc,
                                                       int64_t done, int64_t step, int R,
-                                                      int64_t pf, int64_t far) {
+                                                      const Prefetch& p) {
   const int nc = static_cast<int>((step * R + 63) / 64), ns = static_cast<int>((step / 8 * R + 63) / 64);
-  if (pf) {
-    prefetch_lines(wrow + done * R + pf, nc);
-    prefetch_lines(wsc + done / 8 * R + pf / 8, ns);
+  const uint8_t *c = wrow + done * R, *s = wsc + done / 8 * R;
+  if (p.pf && c + p.pf < p.code_end) {
+    prefetch_lines(c + p.pf, nc);
+    prefetch_lines(s + p.pf / 8, ns);
   }
-  if (far) {
-    prefetch_lines_l2(wrow + done * R + far, nc);
-    prefetch_lines_l2(wsc + done / 8 * R + far / 8, ns);
+  if (p.far && c + p.far < p.code_end) {
+    prefetch_lines_l2(c + p.far, nc);
+    prefetch_lines_l2(s + p.far / 8, ns);
   }
 }
 
@@ -116,7 +134,8 @@ int64_t prefetch_l2_bytes();
 // res[t * os] for t < NT.
 template <class Row>
 void dot_rows_by_token_groups(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                              const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+                              const uint8_t* const* acts, int ntok, float* out, int64_t os,
+                              int64_t /*ahead*/) {
   for (int64_t r = r0; r < r0 + nrows; ++r) {
     float* o = out + (r - r0);
     int t = 0;
@@ -138,7 +157,8 @@ const Kernels& kernels_avx512();      // AVX-512 F/BW/VL/DQ: fp32 W4A16 NVFP4
 const Kernels& kernels_avx512_vnni(); // + AVX-512 VNNI: 512-bit W4A8 NVFP4
 // The 512-bit W4A8 NVFP4 dot with vpermb (AVX-512 VBMI CPUs only).
 void nvfp4_dot_avx512_vbmi(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                           const uint8_t* const* acts, int ntok, float* out, int64_t os);
+                           const uint8_t* const* acts, int ntok, float* out, int64_t os,
+                           int64_t ahead);
 
 // ============================================================================
 // NVFP4 W4A8 activation layouts (the VNNI tiers)

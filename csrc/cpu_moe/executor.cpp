@@ -68,7 +68,8 @@ constexpr int64_t kUnitsPerThread = 8;
 // Every thread thus finishes expert e's gate/up share at about (e + 1) / nact of the phase, so
 // experts become ready in order while the phase runs (the down phase starts on ready experts),
 // and the thread that computes a slot's down rows for every expert also reduces them (the
-// rows of all experts for its output rows are in its own cache).
+// rows of all experts for its output rows are in its own cache). A dot's prefetch may run to
+// the end of its expert's share (`ahead`), not into the next slot's rows.
 constexpr int64_t kUnitBytes = 32 << 10;
 
 struct SlotSplit {
@@ -168,7 +169,7 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       if (r1 == r0) return;
       const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
       dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
-           2 * I);
+           2 * I, sp1.row(slot, sp1.units) - r1);
       lap(&LayerProfile::gate_up);
       if (sync[ei].rows_done.fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N)
         return;
@@ -189,7 +190,7 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       lap(&LayerProfile::wait);
       const int64_t p0 = rt.p0[ei];
       dot2(a.w2, rt.experts[ei], r0, r1 - r0, acts2 + p0, static_cast<int>(rt.p0[ei + 1] - p0),
-           d + p0 * H + r0, H);
+           d + p0 * H + r0, H, sp2.row(slot, sp2.units) - r1);
       lap(&LayerProfile::down);
     }
     if (unit_done[slot * sp2.units + u].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nact) {
@@ -282,7 +283,7 @@ void Executor::dot(const Bank& w, int64_t e, const float* x, int64_t T, float* o
   const int64_t n = nt == 1 ? 1 : nt * kUnitsPerThread;
   auto run = [&](int64_t i, int) {
     const int64_t r0 = w.N * i / n / 4 * 4, r1 = i + 1 == n ? w.N : w.N * (i + 1) / n / 4 * 4;
-    if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N);
+    if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N, w.N - r1);
   };
   if (n == 1) {
     run(0, 0);

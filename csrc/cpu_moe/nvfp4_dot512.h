@@ -104,16 +104,16 @@ static inline void group_step(const __m512i* A, const __m512i* B, const __m512* 
 // The last 1..15 blocks use masked loads, whose zeros meet the activation's zero padding.
 template <bool kVbmi, int R, int NT>
 static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* wsc, int64_t srows,
-                            int64_t K, const uint8_t* const* a, float* res, int64_t os) {
+                            int64_t K, const uint8_t* const* a, float* res, int64_t os,
+                            const Prefetch& pre) {
   __m512 facc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm512_setzero_ps();
   const int64_t ns = K / kQ8x16.group_k();
   __m512i A[R], B[R];
   __m512 ws[R];
-  const int64_t pf = prefetch_bytes(), far = prefetch_l2_bytes();
   for (int64_t s = 0; s < ns; ++s) {
-    prefetch_rows_step(wrow, wsc, s * 128, 128, R, pf, far);
+    prefetch_rows_step(wrow, wsc, s * 128, 128, R, pre);
     for (int r = 0; r < R; ++r) {
       A[r] = _mm512_loadu_si512(wrow + r * rows + s * 128);
       B[r] = _mm512_loadu_si512(wrow + r * rows + s * 128 + 64);
@@ -124,7 +124,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int64_t left = K / 16 - 16 * ns;  // 0..15 blocks after the groups
   if (left) {
-    prefetch_rows_step(wrow, wsc, ns * 128, left * 8, R, pf, far);
+    prefetch_rows_step(wrow, wsc, ns * 128, left * 8, R, pre);
     const int64_t nb = left * 8;  // their code bytes, 8..120
     const __mmask64 ma = nb >= 64 ? ~0ULL : (1ULL << nb) - 1;
     const __mmask64 mb = nb <= 64 ? 0ULL : (1ULL << (nb - 64)) - 1;
@@ -148,16 +148,16 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
 // memory once for all of them (later groups find it in L1).
 template <bool kVbmi, int R>
 static inline void rows_all_tokens(const Bank& w, int64_t e, int64_t r, const uint8_t* const* a,
-                                   int ntok, float* o, int64_t os) {
+                                   int ntok, float* o, int64_t os, const Prefetch& pre) {
   const int64_t sb = w.K / 16, rb = w.row_bytes;
   const uint8_t* wr = w.row(e, r);
   const uint8_t* sc = w.scales + (e * w.N + r) * sb;
   int t = 0;
-  for (; t + 4 <= ntok; t += 4) rows_dot<kVbmi, R, 4>(wr, rb, sc, sb, w.K, a + t, o + t * os, os);
+  for (; t + 4 <= ntok; t += 4) rows_dot<kVbmi, R, 4>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre);
   switch (ntok - t) {
-    case 3: rows_dot<kVbmi, R, 3>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
-    case 2: rows_dot<kVbmi, R, 2>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
-    case 1: rows_dot<kVbmi, R, 1>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
+    case 3: rows_dot<kVbmi, R, 3>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre); break;
+    case 2: rows_dot<kVbmi, R, 2>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre); break;
+    case 1: rows_dot<kVbmi, R, 1>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre); break;
     default: break;
   }
 }
@@ -166,14 +166,18 @@ static inline void rows_all_tokens(const Bank& w, int64_t e, int64_t r, const ui
 // registers).
 template <bool kVbmi>
 static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                      const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+                      const uint8_t* const* acts, int ntok, float* out, int64_t os,
+                      int64_t ahead) {
   const int64_t r1 = r0 + nrows;
+  const Prefetch pre = nvfp4_prefetch(w, e, r0, nrows, ahead);
   int64_t r = r0;
   if (ntok == 1)
-    for (; r + 4 <= r1; r += 4) rows_all_tokens<kVbmi, 4>(w, e, r, acts, 1, out + (r - r0), os);
+    for (; r + 4 <= r1; r += 4)
+      rows_all_tokens<kVbmi, 4>(w, e, r, acts, 1, out + (r - r0), os, pre);
   if (ntok == 2)
-    for (; r + 2 <= r1; r += 2) rows_all_tokens<kVbmi, 2>(w, e, r, acts, 2, out + (r - r0), os);
-  for (; r < r1; ++r) rows_all_tokens<kVbmi, 1>(w, e, r, acts, ntok, out + (r - r0), os);
+    for (; r + 2 <= r1; r += 2)
+      rows_all_tokens<kVbmi, 2>(w, e, r, acts, 2, out + (r - r0), os, pre);
+  for (; r < r1; ++r) rows_all_tokens<kVbmi, 1>(w, e, r, acts, ntok, out + (r - r0), os, pre);
 }
 
 }  // namespace dot512

@@ -116,16 +116,16 @@ static inline float hsum8(__m256 v) {
 // bytes through a zeroed buffer); their zeros meet the activation's zero padding.
 template <int R, int NT>
 static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* wsc, int64_t srows,
-                            int64_t K, const uint8_t* const* a, float* res, int64_t os) {
+                            int64_t K, const uint8_t* const* a, float* res, int64_t os,
+                            const Prefetch& pre) {
   __m256 facc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm256_setzero_ps();
   const int64_t ng = K / kQ8x8.group_k();
   __m256i A[R], B[R];
   __m256 ws[R];
-  const int64_t pf = prefetch_bytes(), far = prefetch_l2_bytes();
   for (int64_t g = 0; g < ng; ++g) {
-    prefetch_rows_step(wrow, wsc, g * 64, 64, R, pf, far);
+    prefetch_rows_step(wrow, wsc, g * 64, 64, R, pre);
     for (int r = 0; r < R; ++r) {
       const uint8_t* w = wrow + r * rows + g * 64;
       A[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -136,7 +136,7 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
   }
   const int left = static_cast<int>(K / 16 - 8 * ng);  // 0..7 blocks after the groups
   if (left) {
-    prefetch_rows_step(wrow, wsc, ng * 64, left * 8, R, pf, far);
+    prefetch_rows_step(wrow, wsc, ng * 64, left * 8, R, pre);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i ma = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left), lane);
     const __m256i mb = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * left - 8), lane);
@@ -157,16 +157,16 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
 // Row r against every token, in groups of at most 4 tokens (the row comes from memory once for
 // all of them).
 static inline void row_all_tokens(const Bank& w, int64_t e, int64_t r, const uint8_t* const* a,
-                                  int ntok, float* o, int64_t os) {
+                                  int ntok, float* o, int64_t os, const Prefetch& pre) {
   const int64_t sb = w.K / 16, rb = w.row_bytes;
   const uint8_t* wr = w.row(e, r);
   const uint8_t* sc = w.scales + (e * w.N + r) * sb;
   int t = 0;
-  for (; t + 4 <= ntok; t += 4) rows_dot<1, 4>(wr, rb, sc, sb, w.K, a + t, o + t * os, os);
+  for (; t + 4 <= ntok; t += 4) rows_dot<1, 4>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre);
   switch (ntok - t) {
-    case 3: rows_dot<1, 3>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
-    case 2: rows_dot<1, 2>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
-    case 1: rows_dot<1, 1>(wr, rb, sc, sb, w.K, a + t, o + t * os, os); break;
+    case 3: rows_dot<1, 3>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre); break;
+    case 2: rows_dot<1, 2>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre); break;
+    case 1: rows_dot<1, 1>(wr, rb, sc, sb, w.K, a + t, o + t * os, os, pre); break;
     default: break;
   }
 }
@@ -174,14 +174,16 @@ static inline void row_all_tokens(const Bank& w, int64_t e, int64_t r, const uin
 // Rows in groups of 3 at one token, 1 beyond (1 core, L2, best of 400 runs: K = 2048 26.3 GB/s
 // with 3 rows, 25.5 with 4, 24.5 with 2; K = 512 22.2 with 3 or 4).
 static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                      const uint8_t* const* acts, int ntok, float* out, int64_t os) {
+                      const uint8_t* const* acts, int ntok, float* out, int64_t os,
+                      int64_t ahead) {
   const int64_t r1 = r0 + nrows, sb = w.K / 16;
+  const Prefetch pre = nvfp4_prefetch(w, e, r0, nrows, ahead);
   int64_t r = r0;
   if (ntok == 1)
     for (; r + 3 <= r1; r += 3)
       rows_dot<3, 1>(w.row(e, r), w.row_bytes, w.scales + (e * w.N + r) * sb, sb, w.K, acts,
-                     out + (r - r0), os);
-  for (; r < r1; ++r) row_all_tokens(w, e, r, acts, ntok, out + (r - r0), os);
+                     out + (r - r0), os, pre);
+  for (; r < r1; ++r) row_all_tokens(w, e, r, acts, ntok, out + (r - r0), os, pre);
 }
 
 }  // namespace avx2_vnni_tier
