@@ -131,12 +131,21 @@ inline Prefetch nvfp4_prefetch(const Bank& w, int64_t e, int64_t r0, int64_t nro
 
 // A DotFn from a one-row kernel: each row against the tokens in groups of at most 4 (a row is
 // read once per group; later groups find it in L1). Row::run<NT>(w, e, r, acts, res, os) writes
-// res[t * os] for t < NT.
+// res[t * os] for t < NT. Before each row it prefetches the row `pf` bytes ahead into L1 and
+// the one `far` bytes ahead into L2, as the NVFP4 dots do (not past the rows read next; block
+// scales inside the rows, as in the GGUF formats, come along).
 template <class Row>
 void dot_rows_by_token_groups(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                               const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                              int64_t /*ahead*/) {
+                              int64_t ahead) {
+  const int64_t rb = w.row_bytes;
+  const int64_t pf = prefetch_bytes() ? std::max<int64_t>(1, prefetch_bytes() / rb) : 0;
+  const int64_t far = prefetch_l2_bytes() ? std::max<int64_t>(pf + 1, prefetch_l2_bytes() / rb) : 0;
+  const int64_t end = std::min(w.N, r0 + nrows + ahead);
+  const int lines = static_cast<int>((rb + 63) / 64);
   for (int64_t r = r0; r < r0 + nrows; ++r) {
+    if (pf && r + pf < end) prefetch_lines(w.row(e, r + pf), lines);
+    if (far && r + far < end) prefetch_lines_l2(w.row(e, r + far), lines);
     float* o = out + (r - r0);
     int t = 0;
     for (; t + 4 <= ntok; t += 4) Row::template run<4>(w, e, r, acts + t, o + t * os, os);
