@@ -146,9 +146,16 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
   const int64_t nunits = sp2.slots * sp2.units;
   Counter* unit_done = blk_.get(nunits);
   for (int64_t i = 0; i < nact; ++i) {
-    sync[i].rows_done.store(0, std::memory_order_relaxed);
+    sync[i].shares_done.store(0, std::memory_order_relaxed);
     sync[i].ready.store(0, std::memory_order_relaxed);
   }
+  // Phase-1 units done per (slot, expert), a slot's counters on lines of their own: a unit's
+  // thread counts it there; the one that completes a share counts the share for its expert
+  // (one update of the expert's line per slot instead of one per unit).
+  const int64_t lines = (nact + 15) / 16;
+  CounterLine* share = share_.get(sp1.slots * lines);
+  for (int64_t i = 0; i < sp1.slots * lines; ++i)
+    for (auto& c : share[i].v) c.store(0, std::memory_order_relaxed);
   for (int64_t b = 0; b < nunits; ++b) unit_done[b].v.store(0, std::memory_order_relaxed);
   // Profiling: lap(field) adds the time since the last lap to this thread's field.
   const bool prof = profiling_;
@@ -166,13 +173,15 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
     if (item < sp1.items()) {
       sp1.item(item, slot, ei, u);
       const int64_t r0 = sp1.row(slot, u), r1 = sp1.row(slot, u + 1);
-      if (r1 == r0) return;
       const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
-      dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
-           2 * I, sp1.row(slot, sp1.units) - r1);
-      lap(&LayerProfile::gate_up);
-      if (sync[ei].rows_done.fetch_add(r1 - r0, std::memory_order_acq_rel) + (r1 - r0) != N)
-        return;
+      if (r1 > r0) {
+        dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
+             2 * I, sp1.row(slot, sp1.units) - r1);
+        lap(&LayerProfile::gate_up);
+      }
+      std::atomic<int32_t>& units_done = share[slot * lines + ei / 16].v[ei % 16];
+      if (units_done.fetch_add(1, std::memory_order_acq_rel) + 1 != sp1.units) return;
+      if (sync[ei].shares_done.fetch_add(1, std::memory_order_acq_rel) + 1 != sp1.slots) return;
       const float* s = a.scales + e * 4;
       for (int64_t p = p0; p < p1; ++p) {
         float* g = h + p * 2 * I;

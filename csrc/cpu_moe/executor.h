@@ -59,14 +59,20 @@ class Slots {
   size_t cap_ = 0;
 };
 
-// Per active expert of a layer call: gate/up rows done, and its down input ready. One cache
-// line each: threads finishing rows of different experts update them at the same time.
-struct alignas(64) ExpertSync {
-  std::atomic<int64_t> rows_done{0};
-  std::atomic<int> ready{0};
+// Per active expert of a layer call: slots whose gate/up share is done (every thread updates
+// it once per expert), and its down input ready (polled by the down items): each on its own
+// cache line.
+struct ExpertSync {
+  alignas(64) std::atomic<int64_t> shares_done{0};
+  alignas(64) std::atomic<int> ready{0};
 };
 struct alignas(64) Counter {
   std::atomic<int64_t> v{0};
+};
+// 16 counters on one cache line: a slot's counters of units done per expert, updated by the
+// thread that owns the slot (and by one that takes its leftovers).
+struct alignas(64) CounterLine {
+  std::atomic<int32_t> v[16];
 };
 
 // Where the layers' time went on one thread (seconds summed over the profiled calls): its
@@ -127,6 +133,7 @@ class Executor {
   Scratch xq_, h_, aq_, d_, ptrs_, ptrs2_;
   Slots<ExpertSync> sync_;
   Slots<Counter> blk_;
+  Slots<CounterLine> share_;
   bool profiling_ = false;
   std::vector<LayerProfile> prof_;
   double prof_span_ = 0;
