@@ -92,6 +92,35 @@ struct RowF32 {  // one row against NT tokens (Nvfp4Row of generic_kernels.h)
   }
 };
 
+// The Q8_32 activation quant of the GGUF formats, 32 values a step: the same int8 values,
+// scales and sums as quant_block_scalar (cvtps_epi32 rounds half to even, as nearbyint does
+// in the default rounding mode; blocks below kMinAmax become zeros with scale 0).
+static void q8_32_prep_avx512(const float* x, int64_t K, uint8_t* out) {
+  int8_t* q = reinterpret_cast<int8_t*>(out);
+  float* d = reinterpret_cast<float*>(out + K);
+  int32_t* s = reinterpret_cast<int32_t*>(out + K + (K / 32) * 4);
+  const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+    if (!(amax >= kMinAmax)) {
+      std::memset(q + b * 32, 0, 32);
+      d[b] = 0.0f;
+      s[b] = 0;
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(127.0f / amax);
+    const __m512i q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), hi), lo);
+    const __m512i q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), hi), lo);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtepi32_epi8(q1));
+    d[b] = amax / 127.0f;
+    s[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
+
 }  // namespace avx512_tier
 
 const Kernels& kernels_avx512() {
@@ -100,6 +129,8 @@ const Kernels& kernels_avx512() {
     t.stream_read = avx512_tier::stream_read_avx512;
     t.glu = avx512_tier::glu_avx512;
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx512_tier::Nvfp4Row<avx512_tier::RowF32>>;
+    for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
+      t.fmt[static_cast<int>(f)].prep = avx512_tier::q8_32_prep_avx512;
     return t;
   }();
   return k;

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from cpu_moe_cases import E2M1, e4m3_values, quant_int8_blocks
+from cpu_moe_cases import E2M1, e4m3_values, quant_int8_blocks, special_activation
 
 from freetoken import _cpu_moe
 from freetoken.formats.qweight import QuantWeight
@@ -113,6 +113,28 @@ def test_format_dot_vs_float64(fmt: str, tier: str):
             assert np.all(err <= bound), f"{fmt} {tier} K={K}: err {err.max():.3g}"
             worst = max(worst, err.max() / np.abs(ref).max())
     print(f"\n{fmt} on {tier}: max rel err {worst:.2e}")
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("K", [32, 736, 2048])
+def test_q8_32_activation_quant_matches_the_rule(tier: str, K: int):
+    """The GGUF formats' int8 activations (Q8_32: int8 q[K], fp32 d[K/32], int32 sum[K/32]) on
+    every tier, SIMD ones included, bit for bit the numpy rule: all-zero blocks, blocks below
+    3.7e-37 (zeros) and half-way values x * 127 / amax = n + 0.5 (round half to even)."""
+    gen = torch.Generator().manual_seed(K)
+    x = special_activation(gen, K)
+    if K == 32:
+        x[0] = 127.0  # 127 / amax = 1: the other values are n + 0.5 exactly
+        x[1:] = torch.arange(31, dtype=torch.float32) - 14.5
+    raw = CpuMoeExecutor(1, isa=tier).prepared_activation(x, "Q8_0").numpy()
+    q = raw[:K].view(np.int8)
+    d = raw[K : K + K // 8].view(np.float32)
+    s = raw[K + K // 8 : K + K // 4].view(np.int32)
+    q_ref, d_ref = quant_int8_blocks(x.numpy(), 32)
+    assert np.array_equal(q, q_ref) and np.array_equal(d, d_ref)
+    assert np.array_equal(s, q_ref.astype(np.int32).reshape(-1, 32).sum(1))
+    if K >= 64:
+        assert not q[:32].any() and d[0] == 0 and s[0] == 0  # the zero / sub-3.7e-37 block
 
 
 def test_mixed_formats_layer_thread_invariant():
