@@ -108,6 +108,47 @@ struct RowF32 {  // one row against NT tokens (Nvfp4Row of generic_kernels.h)
   }
 };
 
+// The Q8_32 activation quant of the GGUF formats, 32 values a step: the same int8 values,
+// scales and sums as quant_block_scalar (cvtps_epi32 rounds half to even, as nearbyint does
+// in the default rounding mode; blocks below kMinAmax become zeros with scale 0).
+static void q8_32_prep_avx2(const float* x, int64_t K, uint8_t* out) {
+  int8_t* q = reinterpret_cast<int8_t*>(out);
+  float* d = reinterpret_cast<float*>(out + K);
+  int32_t* s = reinterpret_cast<int32_t*>(out + K + (K / 32) * 4);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lane split
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 v[4];
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * 32 + 8 * i);
+      m = _mm256_max_ps(m, _mm256_and_ps(v[i], absmask));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    if (!(amax >= kMinAmax)) {
+      std::memset(q + b * 32, 0, 32);
+      d[b] = 0.0f;
+      s[b] = 0;
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(127.0f / amax);
+    __m256i qi[4];
+    for (int i = 0; i < 4; ++i)
+      qi[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)), hi), lo);
+    const __m256i q8 = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3])), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), q8);
+    d[b] = amax / 127.0f;
+    __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    s[b] = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+  }
+}
+
 }  // namespace avx2_tier
 
 const Kernels& kernels_avx2() {
@@ -116,6 +157,8 @@ const Kernels& kernels_avx2() {
     t.stream_read = avx2_tier::stream_read_avx2;
     t.glu = avx2_tier::glu_avx2;
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx2_tier::Nvfp4Row<avx2_tier::RowF32>>;
+    for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
+      t.fmt[static_cast<int>(f)].prep = avx2_tier::q8_32_prep_avx2;
     return t;
   }();
   return k;

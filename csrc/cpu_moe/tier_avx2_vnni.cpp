@@ -1,10 +1,13 @@
 // AVX-VNNI tier (256-bit, the `avx2` tier with VNNI): the NVFP4 W4A8 kernel with
-// vpdpbusd on ymm registers and its SIMD activation quant (the 8-lane layout of common.h);
-// everything else comes from the AVX2 tier's table. A group is 8 blocks = 64 weight bytes:
+// vpdpbusd on ymm registers and its SIMD activation quant (the 8-lane layout of common.h), and
+// the GGUF Q4_K / Q6_K / Q8_0 / Q4_0 kernels of gguf_dot256.h; everything else comes from the
+// AVX2 tier's table. A group is 8 blocks = 64 weight bytes:
 // two 32-byte loads interleaved by vshufps into the blocks' first and second halves, so each
 // int32 lane accumulates one whole block (lanes in block order 0,1,4,5,2,3,6,7); the last
 // 1..7 blocks use masked loads.
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "common.h"
 
@@ -186,6 +189,13 @@ static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
   for (; r < r1; ++r) row_all_tokens(w, e, r, acts, ntok, out + (r - r0), os, pre);
 }
 
+
+// GGUF integer formats: the 256-bit kernels with the VEX vpdpbusd.
+struct VexDp {
+  static __m256i dp(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+};
+#include "gguf_dot256.h"
+
 }  // namespace avx2_vnni_tier
 
 const Kernels& kernels_avx2_vnni() {
@@ -194,6 +204,10 @@ const Kernels& kernels_avx2_vnni() {
     t.name = "avx2_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
         FormatKernels{nvfp4_q8x8_bytes, avx2_vnni_tier::prep_nvfp4_q8, avx2_vnni_tier::dot_nvfp4};
+    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q4KRow<avx2_vnni_tier::VexDp>>;
+    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q6KRow<avx2_vnni_tier::VexDp>>;
+    t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q8_0Row<avx2_vnni_tier::VexDp>>;
+    t.fmt[static_cast<int>(Fmt::Q4_0)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q4_0Row<avx2_vnni_tier::VexDp>>;
     return t;
   }();
   return k;

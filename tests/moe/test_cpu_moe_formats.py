@@ -25,7 +25,8 @@ from freetoken.formats.qweight import QuantWeight
 from freetoken.moe.cpu_executor import CpuMoeExecutor
 
 HOST_TIERS = [t.strip() for t in _cpu_moe.supported_tiers().split(",")]
-TIERS = [t for t in ("scalar", "avx2_fp32", "avx512_fp32", "avx512_vnni") if t in HOST_TIERS]
+TIERS = [t for t in ("scalar", "avx2_fp32", "avx2_vnni", "avx512_fp32", "avx512_vnni")
+         if t in HOST_TIERS]
 N = 300  # 3 fp8 row blocks, the last partial
 Q = gguf.GGMLQuantizationType
 

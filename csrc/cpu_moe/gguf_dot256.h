@@ -1,0 +1,203 @@
+// GGUF Q4_K / Q6_K / Q8_0 / Q4_0 x int8 (the Q8_32 activations of common.h), vpdpbusd on ymm.
+// Shared by the avx2_vnni tier (VEX vpdpbusd, AVX-VNNI) and the avx512_vnni tier (EVEX
+// vpdpbusd on ymm, AVX-512 VL + VNNI): Dp::dp(acc, u8, s8) is the instruction. Include inside
+// the tier's namespace, after <immintrin.h> and common.h.
+//
+// One vector holds 32 values, so every int32 lane belongs to one sub-block of 32 (Q4_K, Q8_0,
+// Q4_0) or one scale of 16 values (Q6_K) and one FMA with the lane's factor accumulates it.
+// - Q4_K (super-block of 256: fp16 d, dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+//   nibbles, 32 bytes a group of 64 values: low nibbles the first 32, high the next 32): value
+//   = d * sc[s] * q - dmin * m[s]; the mins go to a second accumulator against the activation
+//   sums of the Q8_32 layout.
+// - Q6_K (256 values in two halves of 128: ql 64 bytes, qh 32 bytes, 16 int8 scales, fp16 d):
+//   value = d * sc[v / 16] * (q - 32); the 6-bit q is the unsigned operand, the -32 a second
+//   vpdpbusd of the constant 32 against the same activations.
+// - Q8_0 (fp16 d, int8 q[32]): |w| is the unsigned operand, the activations take w's sign
+//   (they are in [-127, 127], so negating them cannot overflow; w = -128 gives 128 x -a).
+// - Q4_0 (fp16 d, 16 bytes: value j in the low nibble of byte j, value j + 16 in its high
+//   nibble, w = q - 8): the nibbles are the unsigned operand and -8 * sum(a) seeds lane 0.
+// All exact in int32 before the scales.
+#pragma once
+
+namespace gguf256 {
+
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline __m256 bcast(__m256 v, int i) {
+  return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
+}
+static inline __m256i ld32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+}  // namespace gguf256
+
+// The 8 scales and 8 mins of a Q4_K super-block (llama.cpp's get_scale_min_k4, four words at
+// once); shared with the 512-bit Q4_K kernel.
+static inline void q4k_scales_mins(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t u[3];
+  std::memcpy(u, s12, 12);
+  const uint32_t k1 = 0x3f3f3f3fu, k2 = 0x0f0f0f0fu, k3 = 0x03030303u;
+  const uint32_t sc_lo = u[0] & k1, sc_hi = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  const uint32_t m_lo = u[1] & k1, m_hi = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  std::memcpy(sc, &sc_lo, 4), std::memcpy(sc + 4, &sc_hi, 4);
+  std::memcpy(mn, &m_lo, 4), std::memcpy(mn + 4, &m_hi, 4);
+}
+
+namespace gguf256 {
+
+template <class Dp, int NT>
+static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
+                           int64_t os) {
+  const int64_t nsb = K / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
+  __m256 acc[NT], accm[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* blk = row + b * 144;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2), std::memcpy(&mh, blk + 2, 2);
+    alignas(8) uint8_t sc[8], mn[8];
+    q4k_scales_mins(blk + 4, sc, mn);
+    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
+    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mh)),
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+    __m256i q[8];  // sub-block s: 32 values, low nibbles (s even) or high (s odd) of 32 bytes
+    for (int g = 0; g < 4; ++g) {
+      const __m256i w = ld32(blk + 16 + 32 * g);
+      q[2 * g] = _mm256_and_si256(w, m4);
+      q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    }
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* A = acts[t];
+      const uint8_t* aq = A + b * 256;
+      const __m256 da = _mm256_loadu_ps(reinterpret_cast<const float*>(A + K) + b * 8);
+      const __m256 f = _mm256_mul_ps(dsc, da);
+      for (int s = 0; s < 8; ++s)
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(z, q[s], ld32(aq + 32 * s))),
+                                 bcast(f, s), acc[t]);
+      const __m256i sa = ld32(A + K + K / 8 + b * 32);
+      accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmn, da), _mm256_cvtepi32_ps(sa), accm[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]) - hsum8(accm[t]);
+}
+
+template <class Dp, int NT>
+static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
+                           int64_t os) {
+  const int64_t nsb = K / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+  const __m256i c32 = _mm256_set1_epi8(32), z = _mm256_setzero_si256();
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* blk = row + b * 210;
+    uint16_t dh;
+    std::memcpy(&dh, blk + 208, 2);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+    for (int h = 0; h < 2; ++h) {
+      // S[i] = d * sc[8h + i]; vector v (values 32v .. 32v + 31 of the half) has scale 2v in
+      // lanes 0-3 and 2v + 1 in lanes 4-7
+      const __m256 S = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h)))));
+      const __m256i ql0 = ld32(blk + 64 * h), ql1 = ld32(blk + 64 * h + 32);
+      const __m256i qh = ld32(blk + 128 + 32 * h);
+      const __m256i V[4] = {
+          _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+          _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+      __m256 F[4];
+      for (int v = 0; v < 4; ++v)
+        F[v] = _mm256_permutevar8x32_ps(S, _mm256_setr_epi32(2 * v, 2 * v, 2 * v, 2 * v,
+                                                             2 * v + 1, 2 * v + 1, 2 * v + 1, 2 * v + 1));
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* A = acts[t];
+        const uint8_t* aq = A + b * 256 + 128 * h;
+        const float* da = reinterpret_cast<const float*>(A + K) + b * 8 + 4 * h;
+        for (int v = 0; v < 4; ++v) {
+          const __m256i a = ld32(aq + 32 * v);
+          const __m256i q = _mm256_sub_epi32(Dp::dp(z, V[v], a),
+                                             Dp::dp(z, c32, a));
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                   _mm256_mul_ps(F[v], _mm256_broadcast_ss(da + v)), acc[t]);
+        }
+      }
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
+}
+
+template <class Dp, int NT>
+static inline void q8_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                            float* res, int64_t os) {
+  const __m256i z = _mm256_setzero_si256();
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 34;
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    const float dw = _cvtsh_ss(h);
+    const __m256i w = ld32(blk + 2);
+    const __m256i aw = _mm256_abs_epi8(w);  // -128 -> 0x80 = 128 as the unsigned operand
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* A = acts[t];
+      const __m256i sa = _mm256_sign_epi8(ld32(A + b * 32), w);  // a with w's sign (0 where w = 0)
+      const float f = dw * reinterpret_cast<const float*>(A + K)[b];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(z, aw, sa)),
+                               _mm256_set1_ps(f), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
+}
+
+template <class Dp, int NT>
+static inline void q4_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                            float* res, int64_t os) {
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * 18;
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    const float dw = _cvtsh_ss(h);
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(c, m4));
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* A = acts[t];
+      const int32_t sum = reinterpret_cast<const int32_t*>(A + K + K / 8)[b];
+      const __m256i seed = _mm256_setr_epi32(-8 * sum, 0, 0, 0, 0, 0, 0, 0);
+      const float f = dw * reinterpret_cast<const float*>(A + K)[b];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(seed, q, ld32(A + b * 32))),
+                               _mm256_set1_ps(f), acc[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
+}
+
+#define FT_ROW(NAME, FN)                                                                        \
+  template <class Dp>                                                                           \
+  struct NAME {                                                                                 \
+    template <int NT>                                                                           \
+    static void run(const Bank& w, int64_t e, int64_t r, const uint8_t* const* acts, float* res, \
+                    int64_t os) {                                                               \
+      FN<Dp, NT>(w.row(e, r), w.K, acts, res, os);                                              \
+    }                                                                                           \
+  };
+FT_ROW(Q4KRow, q4k_row)
+FT_ROW(Q6KRow, q6k_row)
+FT_ROW(Q8_0Row, q8_0_row)
+FT_ROW(Q4_0Row, q4_0_row)
+#undef FT_ROW
+
+
+}  // namespace gguf256
