@@ -19,14 +19,16 @@
 // All exact in int32 before the scales.
 #pragma once
 
-namespace gguf256 {
-
+// The sum of 8 floats (a fixed order).
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+namespace gguf256 {
+
 static inline __m256 bcast(__m256 v, int i) {
   return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
 }
@@ -48,6 +50,19 @@ static inline void q4k_scales_mins(const uint8_t* s12, uint8_t sc[8], uint8_t mn
   std::memcpy(mn, &m_lo, 4), std::memcpy(mn + 4, &m_hi, 4);
 }
 
+// A Q4_K super-block's factors per sub-block: dsc[s] = d * sc[s], dmn[s] = dmin * m[s].
+static inline void q4k_factors(const uint8_t* blk, __m256& dsc, __m256& dmn) {
+  uint16_t dh, mh;
+  std::memcpy(&dh, blk, 2), std::memcpy(&mh, blk + 2, 2);
+  alignas(8) uint8_t sc[8], mn[8];
+  q4k_scales_mins(blk + 4, sc, mn);
+  auto u8x8 = [](const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  };
+  dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)), u8x8(sc));
+  dmn = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mh)), u8x8(mn));
+}
+
 namespace gguf256 {
 
 template <class Dp, int NT>
@@ -59,14 +74,8 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 144;
-    uint16_t dh, mh;
-    std::memcpy(&dh, blk, 2), std::memcpy(&mh, blk + 2, 2);
-    alignas(8) uint8_t sc[8], mn[8];
-    q4k_scales_mins(blk + 4, sc, mn);
-    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
-    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mh)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+    __m256 dsc, dmn;
+    q4k_factors(blk, dsc, dmn);
     __m256i q[8];  // sub-block s: 32 values, low nibbles (s even) or high (s odd) of 32 bytes
     for (int g = 0; g < 4; ++g) {
       const __m256i w = ld32(blk + 16 + 32 * g);

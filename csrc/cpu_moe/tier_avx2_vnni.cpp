@@ -13,7 +13,7 @@
 
 namespace ft {
 namespace avx2_vnni_tier {
-
+#include "gguf_dot256.h"
 
 // ---------------------------------------------------------------------------
 // activation quant (bit-identical to nvfp4_q8_prep_scalar(kQ8x8))
@@ -107,12 +107,6 @@ static inline void group_step(const __m256i* A, const __m256i* B, const __m256* 
   }
 }
 
-static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // R consecutive rows (`rows` bytes apart, scales `srows` apart) against NT tokens;
 // res[r + t * os]. The last 1..7 blocks load masked (2 dwords of codes per block; the scale
@@ -190,11 +184,10 @@ static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
 }
 
 
-// GGUF integer formats: the 256-bit kernels with the VEX vpdpbusd.
+// GGUF integer formats: the 256-bit kernels of gguf_dot256.h with the VEX vpdpbusd.
 struct VexDp {
   static __m256i dp(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 };
-#include "gguf_dot256.h"
 
 }  // namespace avx2_vnni_tier
 

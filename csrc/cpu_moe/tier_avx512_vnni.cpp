@@ -75,14 +75,8 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 144;
-    uint16_t dh, mh;
-    std::memcpy(&dh, blk, 2), std::memcpy(&mh, blk + 2, 2);
-    alignas(8) uint8_t sc[8], mn[8];
-    q4k_scales_mins(blk + 4, sc, mn);
-    const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(dh)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)))));
-    const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(mh)),
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)))));
+    __m256 dsc, dmn;
+    q4k_factors(blk, dsc, dmn);
     const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
     const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
     const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
