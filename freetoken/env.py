@@ -47,6 +47,6 @@ CPU_MOE_NATIVE_SWITCHES = {
     "FREETOKEN_CPU_MOE_PIN": "0: do not pin executor threads to CPUs",
     "FREETOKEN_CPU_MOE_SPIN_US": "microseconds an idle worker spins before sleeping (1000)",
     "FREETOKEN_CPU_MOE_SPIN_PAUSE": "one pause instruction every N polls while spinning (0: none)",
-    "FREETOKEN_CPU_MOE_PREFETCH": "NVFP4 dot prefetch distance in bytes (4096; 0: off)",
-    "FREETOKEN_CPU_MOE_PREFETCH_L2": "NVFP4 dot prefetch distance into L2 in bytes (16384; 0: off)",
+    "FREETOKEN_CPU_MOE_PREFETCH": "CPU MoE dot prefetch distance in bytes (4096; 0: off)",
+    "FREETOKEN_CPU_MOE_PREFETCH_L2": "CPU MoE dot prefetch into L2, bytes ahead (16384; 0: off)",
 }

@@ -12,9 +12,9 @@ of its vpermb one, which CPUs with AVX-512 VBMI run; results are identical),
 FREETOKEN_CPU_MOE_PIN=0 (leave the pool's workers unpinned), FREETOKEN_CPU_MOE_SPIN_US (how
 long idle workers poll before sleeping, default 1000) and FREETOKEN_CPU_MOE_SPIN_PAUSE (one
 pause instruction every N polls, default 1, 0 = none), FREETOKEN_CPU_MOE_PREFETCH (bytes of
-weight codes the W4A8 NVFP4 dots prefetch into L1 ahead of their read cursor, default 4096,
-0 = off) and FREETOKEN_CPU_MOE_PREFETCH_L2 (bytes ahead they also prefetch into L2 only,
-default 16384, 0 = off); results do not depend on either.
+weights the dots prefetch into L1 ahead of their read cursor, default 4096, 0 = off) and
+FREETOKEN_CPU_MOE_PREFETCH_L2 (bytes ahead they also prefetch into L2 only, default 16384,
+0 = off); results do not depend on either.
 """
 
 from __future__ import annotations
