@@ -121,6 +121,17 @@ static void q8_32_prep_avx512(const float* x, int64_t K, uint8_t* out) {
   }
 }
 
+// GGUF integer formats without VNNI: the 256-bit kernels of gguf_dot256.h with vpdpbusd done
+// as vpmaddubsw + vpmaddwd (llama.cpp's AVX2 way). Exact: vpmaddubsw saturates a pair sum at
+// +-32767, and the largest here is 2 x 128 x 127 = 32512 (Q8_0's |w| = 128 for w = -128; Q6_K
+// 63, Q4_K / Q4_0 15; activations within [-127, 127]).
+struct MaddDp {
+  static __m256i dp(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+};
+#include "gguf_dot256.h"
+
 }  // namespace avx512_tier
 
 const Kernels& kernels_avx512() {
@@ -131,6 +142,10 @@ const Kernels& kernels_avx512() {
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx512_tier::Nvfp4Row<avx512_tier::RowF32>>;
     for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
       t.fmt[static_cast<int>(f)].prep = avx512_tier::q8_32_prep_avx512;
+    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q4KRow<avx512_tier::MaddDp>>;
+    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q6KRow<avx512_tier::MaddDp>>;
+    t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q8_0Row<avx512_tier::MaddDp>>;
+    t.fmt[static_cast<int>(Fmt::Q4_0)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q4_0Row<avx512_tier::MaddDp>>;
     return t;
   }();
   return k;
