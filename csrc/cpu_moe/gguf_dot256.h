@@ -1,7 +1,8 @@
-// GGUF Q4_K / Q6_K / Q8_0 / Q4_0 x int8 (the Q8_32 activations of common.h), vpdpbusd on ymm.
-// Shared by the avx2_vnni tier (VEX vpdpbusd, AVX-VNNI) and the avx512_vnni tier (EVEX
-// vpdpbusd on ymm, AVX-512 VL + VNNI): Dp::dp(acc, u8, s8) is the instruction. Include inside
-// the tier's namespace, after <immintrin.h> and common.h.
+// GGUF Q4_K / Q6_K / Q8_0 / Q4_0 x int8 (the Q8_32 activations of common.h), 256-bit.
+// Dp::dp(acc, u8, s8) adds the 4-byte dot products of unsigned u and signed s to acc's int32
+// lanes: the VEX vpdpbusd in the avx2_vnni tier (AVX-VNNI), the EVEX one on ymm in the
+// avx512_vnni tier, vpmaddubsw + vpmaddwd in the tiers without VNNI. Include inside the tier's
+// namespace, after <immintrin.h> and common.h.
 //
 // One vector holds 32 values, so every int32 lane belongs to one sub-block of 32 (Q4_K, Q8_0,
 // Q4_0) or one scale of 16 values (Q6_K) and one FMA with the lane's factor accumulates it.
