@@ -22,13 +22,15 @@ from freetoken.moe.cpu_executor import CpuMoeExecutor, default_threads
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="2048x512", help="2048x512 | 2560x640 | 2816x704")
+    ap.add_argument("--shape", default="2048x512",
+                    help="2048x512 | 2560x640 | 2816x704 | 2048x512-Q4_K_M")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--isa", default=None, help="a tier name (default: the best)")
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
-    shapes = {s.label.split()[0]: s for s in cpu_bench.SHAPES}
+    shapes = {s.label.split()[0] + ("-" + s.label.split()[-1] if s.formats[0] != "nvfp4" else ""): s
+              for s in cpu_bench.SHAPES}
     if args.shape not in shapes:
         ap.error(f"--shape must be one of {', '.join(shapes)}")
     ex = CpuMoeExecutor(args.threads or default_threads(), isa=args.isa)

@@ -7,7 +7,8 @@ Measured in one run, per tier:
   bytes per cycle of the core's clock, measured by the same tool;
 - one NVFP4 dot on all threads from DRAM (a matrix several times larger than the last-level
   cache), PASSES runs of one sweep each;
-- whole layers (bytes of the experts touched, block scales included, / time) for three shapes
+- whole layers (bytes of the experts touched, block scales included, / time) for three NVFP4
+  shapes and the first one as a GGUF Q4_K_M file stores its experts (Q4_K gate/up, Q6_K down)
   at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM, LAYER_RUNS
   runs of MIN_SECONDS each with fresh routing;
 - the streaming-read ceiling: AVX-512 streaming loads (AVX2 where absent) on all threads over
@@ -29,6 +30,7 @@ import platform
 import time
 from dataclasses import dataclass
 
+import gguf
 import torch
 
 from freetoken.formats.qweight import QuantWeight
@@ -43,12 +45,16 @@ class LayerShape:
     top_k: int
     experts: int  # the real model's expert count (routing draws from it)
     model: str
+    formats: tuple[str, str] = ("nvfp4", "nvfp4")  # gate/up, down: "nvfp4" or a GGUF type name
 
 
 SHAPES = (
     LayerShape("2048x512 top8", 2048, 512, 8, 256, "Qwen3.6-35B-A3B"),
     LayerShape("2560x640 top10", 2560, 640, 10, 512, "Qwen3-Next-like (Qwen3.8-Flash-Next)"),
     LayerShape("2816x704 top8", 2816, 704, 8, 128, "Gemma-4-26B-A4B"),
+    # the experts of a llama.cpp Q4_K_M file: Q4_K gate/up, Q6_K down
+    LayerShape("2048x512 top8 Q4_K_M", 2048, 512, 8, 256, "Qwen3.6-35B-A3B, GGUF Q4_K_M",
+               ("Q4_K", "Q6_K")),
 )
 BATCHES = (1, 2, 4, 8)
 GiB = 1 << 30
@@ -103,6 +109,24 @@ def _fill(buf: torch.Tensor, seed: int) -> None:
     n = flat.numel() // pat.numel() * pat.numel()
     flat[:n].view(-1, pat.numel()).copy_(pat)
     flat[n:] = pat[: flat.numel() - n]
+
+
+def gguf_bank(qtype: str, E: int, N: int, K: int, seed: int) -> QuantWeight:
+    """Random GGUF blocks with sane fp16 scales (2^-7, and 2^-9 for Q4_K's dmin): no
+    NaN, infinity or subnormal products to slow the float paths."""
+    t = gguf.GGMLQuantizationType[qtype]
+    bs, bb = gguf.GGML_QUANT_SIZES[t]
+    data = torch.empty(E, N, K // bs, bb, dtype=torch.uint8)
+    _fill(data, seed)
+    for off, half in {"Q4_K": ((0, 0x2000), (2, 0x1800)), "Q6_K": ((208, 0x2000),),
+                      "Q8_0": ((0, 0x2000),), "Q4_0": ((0, 0x2000),)}[qtype]:
+        data[..., off] = half & 0xFF
+        data[..., off + 1] = half >> 8
+    return QuantWeight(data.view(E, N, -1), "gguf", (E, N, K), ggml_type=int(t))
+
+
+def make_weights(fmt: str, E: int, N: int, K: int, seed: int) -> QuantWeight:
+    return nvfp4_bank(E, N, K, seed) if fmt == "nvfp4" else gguf_bank(fmt, E, N, K, seed)
 
 
 def nvfp4_bank(E: int, N: int, K: int, seed: int) -> QuantWeight:
@@ -214,14 +238,17 @@ class LayerBench:
 
     def __init__(self, shape: LayerShape, budget: int):
         H, inter = shape.hidden, shape.inter
-        per_expert = 2 * inter * H * 9 // 16 + H * inter * 9 // 16  # codes + E4M3 scales
+        f13, f2 = shape.formats
+        # bytes of one expert (block scales included): from a one-expert bank of each format
+        per_expert = (make_weights(f13, 1, 2 * inter, H, 0).nbytes()
+                      + make_weights(f2, 1, H, inter, 0).nbytes())
         pool = max(budget // per_expert, 2 * shape.top_k)
         self.layers = max(1, pool // shape.experts)
         self.experts = min(shape.experts, pool)  # experts per layer actually allocated
         E = self.layers * self.experts
         self.shape, self.expert_bytes = shape, per_expert
-        self.w13 = nvfp4_bank(E, 2 * inter, H, 11)
-        self.w2 = nvfp4_bank(E, H, inter, 13)
+        self.w13 = make_weights(f13, E, 2 * inter, H, 11)
+        self.w2 = make_weights(f2, E, H, inter, 13)
         self.scales = torch.ones(E, 4)
         self.banks = (make_bank(self.w13, "w13"), make_bank(self.w2, "w2"))
 

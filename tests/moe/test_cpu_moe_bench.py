@@ -14,7 +14,7 @@ from freetoken.moe import cpu_bench
 
 def test_bench_cpu_moe_small(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cpu_bench, "dram_budget", lambda: 48 << 20)
-    monkeypatch.setattr(cpu_bench, "SHAPES", cpu_bench.SHAPES[:1])
+    monkeypatch.setattr(cpu_bench, "SHAPES", (cpu_bench.SHAPES[0], cpu_bench.SHAPES[-1]))
     monkeypatch.setattr(cpu_bench, "BATCHES", (1, 3))
     monkeypatch.setattr(cpu_bench, "MIN_SECONDS", 0.02)
     out = tmp_path / "bench.json"
@@ -24,15 +24,16 @@ def test_bench_cpu_moe_small(monkeypatch, tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["tiers"][-1] == "scalar" and len(res["tiers"]) == 2
     assert res["ceiling_gbps"] > 0 and res["core_clock_ghz"] > 0
-    # every DRAM run is bracketed by ceiling sweeps: 2 tiers' dots (PASSES runs) + 2 layer
-    # batches x LAYER_RUNS per tier, one sweep more per figure than runs
-    figures = 2 * (cpu_bench.PASSES + 1) + 2 * 2 * (cpu_bench.LAYER_RUNS + 1)
+    # every DRAM run is bracketed by ceiling sweeps: 2 tiers' dots (PASSES runs) + 2 shapes x
+    # 2 layer batches x LAYER_RUNS per tier, one sweep more per figure than runs
+    figures = 2 * (cpu_bench.PASSES + 1) + 2 * 2 * 2 * (cpu_bench.LAYER_RUNS + 1)
     assert len(res["ceiling_sweeps_gbps"]) == figures
     assert set(res["percent"]) == set(res["figures"])
     for name, row in res["figures"].items():
         for tier in res["tiers"]:
             assert row[tier] > 0 and res["percent"][name][tier] > 0, (name, tier)
-    assert set(res["figures"]) >= {"2048x512 top8 bs=1", "2048x512 top8 bs=3"}
+    assert set(res["figures"]) >= {"2048x512 top8 bs=1", "2048x512 top8 bs=3",
+                                   "2048x512 top8 Q4_K_M bs=1", "2048x512 top8 Q4_K_M bs=3"}
     text = capsys.readouterr().out
     assert "read ceiling" in text and "%)" in text and "B/cycle" in text
 
