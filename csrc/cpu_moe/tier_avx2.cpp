@@ -26,47 +26,7 @@ static uint64_t stream_read_avx2(const uint8_t* p, int64_t n, int64_t dist, int6
   return t[0] ^ t[1] ^ t[2] ^ t[3];
 }
 
-// ---------------------------------------------------------------------------
-// GLU: exp by Cephes expf (as the AVX-512 tier), tanh(y) = 1 - 2 / (exp(2y) + 1).
-// ---------------------------------------------------------------------------
-static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654475f)), _mm256_set1_ps(88.37626266f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static void glu_avx2(float* g, const float* u, int64_t n, float s_gate, float s_up, int act) {
-  const __m256 sg = _mm256_set1_ps(s_gate), su = _mm256_set1_ps(s_up), one = _mm256_set1_ps(1.0f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(g + i), sg);
-    const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(u + i), su);
-    __m256 a;
-    if (act == 0) {
-      a = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-    } else {
-      const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
-      const __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                     _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
-      const __m256 t = _mm256_sub_ps(
-          one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(exp8(_mm256_add_ps(z, z)), one)));
-      a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, t));
-    }
-    _mm256_storeu_ps(g + i, _mm256_mul_ps(a, y));
-  }
-  if (i < n) glu_generic(g + i, u + i, n - i, s_gate, s_up, act);
-}
+#include "simd_glu.h"
 
 // ---------------------------------------------------------------------------
 // NVFP4 fp32 W4A16 (CPUs without VNNI): 8 codes -> |E2M1| with one vpermps, the sign bit
@@ -166,7 +126,7 @@ const Kernels& kernels_avx2() {
   static const Kernels k = [] {
     Kernels t = avx2_tier::make_generic_table("avx2_fp32");
     t.stream_read = avx2_tier::stream_read_avx2;
-    t.glu = avx2_tier::glu_avx2;
+    t.glu = avx2_tier::glu_simd<avx2_tier::F8>;
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx2_tier::Nvfp4Row<avx2_tier::RowF32>>;
     for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
       t.fmt[static_cast<int>(f)].prep = avx2_tier::q8_32_prep_avx2;

@@ -25,48 +25,7 @@ static uint64_t stream_read_avx512(const uint8_t* p, int64_t n, int64_t dist, in
   return t[0] ^ t[1] ^ t[2] ^ t[3] ^ t[4] ^ t[5] ^ t[6] ^ t[7];
 }
 
-// ---------------------------------------------------------------------------
-// GLU: exp by Cephes expf (range reduction by ln 2 in two parts, degree-5 polynomial, 2^n by
-// the exponent bits), ~1 ulp on [-87.3, 88.4] (clamped there); tanh(y) = 1 - 2 / (exp(2y) + 1).
-// ---------------------------------------------------------------------------
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654475f)), _mm512_set1_ps(88.37626266f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-static void glu_avx512(float* g, const float* u, int64_t n, float s_gate, float s_up, int act) {
-  const __m512 sg = _mm512_set1_ps(s_gate), su = _mm512_set1_ps(s_up), one = _mm512_set1_ps(1.0f);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(g + i), sg);
-    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(u + i), su);
-    __m512 a;
-    if (act == 0) {
-      a = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-    } else {
-      const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
-      const __m512 z = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                     _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
-      const __m512 t = _mm512_sub_ps(
-          one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(exp16(_mm512_add_ps(z, z)), one)));
-      a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t));
-    }
-    _mm512_storeu_ps(g + i, _mm512_mul_ps(a, y));
-  }
-  if (i < n) glu_generic(g + i, u + i, n - i, s_gate, s_up, act);
-}
+#include "simd_glu.h"
 
 // ---------------------------------------------------------------------------
 // NVFP4 fp32 W4A16 (CPUs without VNNI): 16 codes -> fp32 with one vpermps from the E2M1
@@ -138,7 +97,7 @@ const Kernels& kernels_avx512() {
   static const Kernels k = [] {
     Kernels t = avx512_tier::make_generic_table("avx512_fp32");
     t.stream_read = avx512_tier::stream_read_avx512;
-    t.glu = avx512_tier::glu_avx512;
+    t.glu = avx512_tier::glu_simd<avx512_tier::F16>;
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx512_tier::Nvfp4Row<avx512_tier::RowF32>>;
     for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
       t.fmt[static_cast<int>(f)].prep = avx512_tier::q8_32_prep_avx512;
