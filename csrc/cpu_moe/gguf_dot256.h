@@ -145,53 +145,69 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
 }
 
-template <class Dp, int NT>
-static inline void q8_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
-                            float* res, int64_t os) {
-  const __m256i z = _mm256_setzero_si256();
+// Q8_0 and Q4_0: blocks of 32 values behind an fp16 d, one vector a block. Blk::kBytes is the
+// block's size, Blk::weights(blk) its prepared weights, Blk::dot<Dp>(w, a, sum) its int32 lanes
+// against one token's activations a (32 int8) with their sum.
+struct Q8_0Blk {
+  static constexpr int64_t kBytes = 34;
+  struct W {
+    __m256i abs, sign;
+  };
+  static W weights(const uint8_t* blk) {
+    const __m256i w = ld32(blk + 2);
+    return {_mm256_abs_epi8(w), w};  // -128 -> 0x80 = 128 as the unsigned operand
+  }
+  template <class Dp>
+  static __m256i dot(const W& w, const uint8_t* a, int32_t /*sum*/) {
+    // a with w's sign (0 where w = 0)
+    return Dp::dp(_mm256_setzero_si256(), w.abs, _mm256_sign_epi8(ld32(a), w.sign));
+  }
+};
+
+struct Q4_0Blk {
+  static constexpr int64_t kBytes = 18;
+  using W = __m256i;
+  static W weights(const uint8_t* blk) {
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(c, m4));
+  }
+  template <class Dp>
+  static __m256i dot(const W& q, const uint8_t* a, int32_t sum) {
+    return Dp::dp(_mm256_setr_epi32(-8 * sum, 0, 0, 0, 0, 0, 0, 0), q, ld32(a));
+  }
+};
+
+template <class Dp, class Blk, int NT>
+static inline void block32_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                               float* res, int64_t os) {
   __m256 acc[NT];
   for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 34;
+    const uint8_t* blk = row + b * Blk::kBytes;
     uint16_t h;
     std::memcpy(&h, blk, 2);
     const float dw = _cvtsh_ss(h);
-    const __m256i w = ld32(blk + 2);
-    const __m256i aw = _mm256_abs_epi8(w);  // -128 -> 0x80 = 128 as the unsigned operand
+    const typename Blk::W w = Blk::weights(blk);
     for (int t = 0; t < NT; ++t) {
       const uint8_t* A = acts[t];
-      const __m256i sa = _mm256_sign_epi8(ld32(A + b * 32), w);  // a with w's sign (0 where w = 0)
+      const int32_t sum = reinterpret_cast<const int32_t*>(A + K + K / 8)[b];
       const float f = dw * reinterpret_cast<const float*>(A + K)[b];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(z, aw, sa)),
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Blk::template dot<Dp>(w, A + b * 32, sum)),
                                _mm256_set1_ps(f), acc[t]);
     }
   }
   for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
 }
-
+template <class Dp, int NT>
+static inline void q8_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                            float* res, int64_t os) {
+  block32_row<Dp, Q8_0Blk, NT>(row, K, acts, res, os);
+}
 template <class Dp, int NT>
 static inline void q4_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
                             float* res, int64_t os) {
-  const __m128i m4 = _mm_set1_epi8(0x0f);
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * 18;
-    uint16_t h;
-    std::memcpy(&h, blk, 2);
-    const float dw = _cvtsh_ss(h);
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(c, m4));
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* A = acts[t];
-      const int32_t sum = reinterpret_cast<const int32_t*>(A + K + K / 8)[b];
-      const __m256i seed = _mm256_setr_epi32(-8 * sum, 0, 0, 0, 0, 0, 0, 0);
-      const float f = dw * reinterpret_cast<const float*>(A + K)[b];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(seed, q, ld32(A + b * 32))),
-                               _mm256_set1_ps(f), acc[t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
+  block32_row<Dp, Q4_0Blk, NT>(row, K, acts, res, os);
 }
 
 #define FT_ROW(NAME, FN)                                                                        \
