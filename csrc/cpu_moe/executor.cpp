@@ -144,7 +144,7 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
   // Counters on their own cache lines (threads update them at once), reused across calls.
   ExpertSync* sync = sync_.get(nact);
   const int64_t nunits = sp2.slots * sp2.units;
-  Counter* unit_done = blk_.get(nunits);
+  Counter* unit_done = unit_done_.get(nunits);
   for (int64_t i = 0; i < nact; ++i) {
     sync[i].shares_done.store(0, std::memory_order_relaxed);
     sync[i].ready.store(0, std::memory_order_relaxed);

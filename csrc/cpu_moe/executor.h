@@ -132,7 +132,7 @@ class Executor {
   const Kernels* k_;
   Scratch xq_, h_, aq_, d_, ptrs_, ptrs2_;
   Slots<ExpertSync> sync_;
-  Slots<Counter> blk_;
+  Slots<Counter> unit_done_;
   Slots<CounterLine> share_;
   bool profiling_ = false;
   std::vector<LayerProfile> prof_;

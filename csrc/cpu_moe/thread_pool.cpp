@@ -123,18 +123,14 @@ void ThreadPool::run_per_thread(const std::function<void(int)>& fn) {
 }
 
 void ThreadPool::run(int64_t n_items, const std::function<void(int64_t)>& fn) {
-  run_tid(n_items, [&](int64_t i, int) { fn(i); });
-}
-
-void ThreadPool::run_tid(int64_t n_items, const std::function<void(int64_t, int)>& fn) {
   if (n_items <= 0) return;
   if (n_ == 1 || n_items == 1) {
-    for (int64_t i = 0; i < n_items; ++i) fn(i, 0);
+    for (int64_t i = 0; i < n_items; ++i) fn(i);
     return;
   }
   std::atomic<int64_t> next{0};
-  run_per_thread([&](int tid) {
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(i, tid);
+  run_per_thread([&](int) {
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(i);
   });
 }
 

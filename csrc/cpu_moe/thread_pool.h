@@ -33,8 +33,6 @@ class ThreadPool {
   // fn(item) for item in [0, n_items), items claimed dynamically in increasing order.
   // NOTE: results must not depend on which thread ran an item (determinism).
   void run(int64_t n_items, const std::function<void(int64_t)>& fn);
-  // The same, fn(item, tid) also told which thread runs it.
-  void run_tid(int64_t n_items, const std::function<void(int64_t, int)>& fn);
 
   // fn(item, tid) for the items of up to kMaxPhases phases run one after another: phase p is
   // items [b_p, b_p + sizes[p]), b_p = sizes[0] + ... + sizes[p - 1]. Each phase's items are
