@@ -39,14 +39,25 @@ struct Bank {
 // Kernel table (one per ISA tier)
 // ============================================================================
 
+// What the calling thread reads after a dot's rows: the next `rows` rows of the same expert,
+// then (when `w` is set) rows [r0, r0 + nrows) of expert e of bank *w, another run of rows
+// (a layer thread's share of the next expert). A dot's prefetch may run into these, and
+// nothing beyond (other threads' rows: bandwidth spent for nothing). Without the second run a
+// thread's prefetch stops at each share's end and the next share starts cold: its first lines
+// come one demand miss at a time while the prefetch distance builds up again.
+struct ReadNext {
+  int64_t rows = 0;
+  const Bank* w = nullptr;
+  int64_t e = 0, r0 = 0, nrows = 0;
+};
+
 // out[t * out_stride + i] = dot(row r0 + i of expert e, activation t) for i < nrows, t < ntok.
 // `acts[t]` points at token t's prepared activation (layout chosen by the tier's `prep`).
-// `ahead`: the caller reads the next `ahead` rows of expert e after these, so a dot may
-// prefetch into them, and nothing beyond (other threads' rows: bandwidth spent for nothing).
+// `next`: what the caller reads after these rows (see ReadNext); only prefetches use it.
 // NOTE: each row's result must not depend on r0, nrows or ntok (thread-count invariance).
 using DotFn = void (*)(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                        const uint8_t* const* acts, int ntok, float* out, int64_t out_stride,
-                       int64_t ahead);
+                       const ReadNext& next);
 using ActBytesFn = int64_t (*)(int64_t K);
 using PrepFn = void (*)(const float* x, int64_t K, uint8_t* out);
 
@@ -96,18 +107,52 @@ int64_t prefetch_l2_bytes();
 }
 
 // Where an NVFP4 dot's prefetch runs: `pf` / `far` bytes of codes ahead of the read cursor
-// into L1 / L2 (0 = off), the scales (one byte per 8 code bytes) at an eighth of both, and
-// not once the codes' target passes `code_end` (the end of the rows the caller reads next).
+// into L1 / L2 (0 = off), the scales (one byte per 8 code bytes) at an eighth of both. A target
+// past `code_end` (the end of the rows the caller reads next in this expert) continues into
+// the next run's codes (`next_codes`, `next_bytes` long, its scales at `next_scales`), and
+// nothing is prefetched past that.
 struct Prefetch {
   int64_t pf, far;
   const uint8_t* code_end;
+  const uint8_t* next_codes = nullptr;
+  const uint8_t* next_scales = nullptr;
+  int64_t next_bytes = 0;
 };
 
-// An NVFP4 dot's Prefetch for rows [r0, r0 + nrows) of expert e, `ahead` rows read next.
+// An NVFP4 dot's Prefetch for rows [r0, r0 + nrows) of expert e, then `next`.
 inline Prefetch nvfp4_prefetch(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
-                               int64_t ahead) {
-  const int64_t end = e * w.N + std::min(w.N, r0 + nrows + ahead);
-  return Prefetch{prefetch_bytes(), prefetch_l2_bytes(), w.data + end * w.row_bytes};
+                               const ReadNext& next) {
+  const int64_t end = e * w.N + std::min(w.N, r0 + nrows + next.rows);
+  Prefetch p{prefetch_bytes(), prefetch_l2_bytes(), w.data + end * w.row_bytes};
+  if (next.w && next.nrows > 0 && next.w->fmt == Fmt::NVFP4) {
+    const Bank& n = *next.w;
+    p.next_codes = n.row(next.e, next.r0);
+    p.next_scales = n.scales + (next.e * n.N + next.r0) * (n.K / 16);
+    p.next_bytes = next.nrows * n.row_bytes;
+  }
+  return p;
+}
+
+// Prefetch `nc` code lines at `c + dist` and `ns` scale lines at `s + dist / 8` (the codes'
+// scales), or their place in the next run once `c + dist` passes the end; `L2`: prefetcht1.
+template <bool L2>
+[[gnu::always_inline]] inline void prefetch_target(const uint8_t* c, const uint8_t* s, int64_t dist,
+                                                   int nc, int ns, const Prefetch& p) {
+  const uint8_t* t = c + dist;
+  const uint8_t* ts = s + dist / 8;
+  if (t >= p.code_end) {
+    const int64_t off = t - p.code_end;
+    if (off >= p.next_bytes) return;
+    t = p.next_codes + off;
+    ts = p.next_scales + off / 8;
+  }
+  if constexpr (L2) {
+    prefetch_lines_l2(t, nc);
+    prefetch_lines_l2(ts, ns);
+  } else {
+    prefetch_lines(t, nc);
+    prefetch_lines(ts, ns);
+  }
 }
 
 // The prefetch for R adjacent rows read a step at a time: `done` code bytes of each row read
@@ -119,33 +164,38 @@ inline Prefetch nvfp4_prefetch(const Bank& w, int64_t e, int64_t r0, int64_t nro
                                                       const Prefetch& p) {
   const int nc = static_cast<int>((step * R + 63) / 64), ns = static_cast<int>((step / 8 * R + 63) / 64);
   const uint8_t *c = wrow + done * R, *s = wsc + done / 8 * R;
-  if (p.pf && c + p.pf < p.code_end) {
-    prefetch_lines(c + p.pf, nc);
-    prefetch_lines(s + p.pf / 8, ns);
-  }
-  if (p.far && c + p.far < p.code_end) {
-    prefetch_lines_l2(c + p.far, nc);
-    prefetch_lines_l2(s + p.far / 8, ns);
-  }
+  if (p.pf) prefetch_target<false>(c, s, p.pf, nc, ns, p);
+  if (p.far) prefetch_target<true>(c, s, p.far, nc, ns, p);
 }
 
 // A DotFn from a one-row kernel: each row against the tokens in groups of at most 4 (a row is
 // read once per group; later groups find it in L1). Row::run<NT>(w, e, r, acts, res, os) writes
 // res[t * os] for t < NT. Before each row it prefetches the row `pf` bytes ahead into L1 and
-// the one `far` bytes ahead into L2, as the NVFP4 dots do (not past the rows read next; block
-// scales inside the rows, as in the GGUF formats, come along).
+// the one `far` bytes ahead into L2, as the NVFP4 dots do (into the rows read next, `next`, and
+// not past them; block scales inside the rows, as in the GGUF formats, come along).
 template <class Row>
 void dot_rows_by_token_groups(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                               const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                              int64_t ahead) {
+                              const ReadNext& next) {
   const int64_t rb = w.row_bytes;
   const int64_t pf = prefetch_bytes() ? std::max<int64_t>(1, prefetch_bytes() / rb) : 0;
   const int64_t far = prefetch_l2_bytes() ? std::max<int64_t>(pf + 1, prefetch_l2_bytes() / rb) : 0;
-  const int64_t end = std::min(w.N, r0 + nrows + ahead);
+  const int64_t end = std::min(w.N, r0 + nrows + next.rows);
   const int lines = static_cast<int>((rb + 63) / 64);
+  // Row `r + d` of this run, or its place in the next one (by bytes: its rows may be longer).
+  auto ahead = [&](int64_t r, int64_t d, bool l2) {
+    if (r + d < end) {
+      l2 ? prefetch_lines_l2(w.row(e, r + d), lines) : prefetch_lines(w.row(e, r + d), lines);
+    } else if (next.w) {
+      const int64_t off = (r + d - end) * rb, nrb = next.w->row_bytes;
+      if (off >= next.nrows * nrb) return;
+      const uint8_t* p = next.w->row(next.e, next.r0) + off;
+      l2 ? prefetch_lines_l2(p, lines) : prefetch_lines(p, lines);
+    }
+  };
   for (int64_t r = r0; r < r0 + nrows; ++r) {
-    if (pf && r + pf < end) prefetch_lines(w.row(e, r + pf), lines);
-    if (far && r + far < end) prefetch_lines_l2(w.row(e, r + far), lines);
+    if (pf) ahead(r, pf, false);
+    if (far) ahead(r, far, true);
     float* o = out + (r - r0);
     int t = 0;
     for (; t + 4 <= ntok; t += 4) Row::template run<4>(w, e, r, acts + t, o + t * os, os);
@@ -167,7 +217,7 @@ const Kernels& kernels_avx512_vnni(); // + AVX-512 VNNI: 512-bit W4A8 NVFP4
 // The 512-bit W4A8 NVFP4 dot with vpermb (AVX-512 VBMI CPUs only).
 void nvfp4_dot_avx512_vbmi(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                            const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                           int64_t ahead);
+                           const ReadNext& next);
 
 // ============================================================================
 // NVFP4 W4A8 activation layouts (the VNNI tiers)

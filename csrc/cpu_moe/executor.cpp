@@ -69,7 +69,8 @@ constexpr int64_t kUnitsPerThread = 8;
 // experts become ready in order while the phase runs (the down phase starts on ready experts),
 // and the thread that computes a slot's down rows for every expert also reduces them (the
 // rows of all experts for its output rows are in its own cache). A dot's prefetch may run to
-// the end of its expert's share (`ahead`), not into the next slot's rows.
+// the end of its expert's share and on into the thread's share of the next expert (ReadNext),
+// not into the next slot's rows.
 constexpr int64_t kUnitBytes = 32 << 10;
 
 struct SlotSplit {
@@ -157,6 +158,26 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
   for (int64_t i = 0; i < sp1.slots * lines; ++i)
     for (auto& c : share[i].v) c.store(0, std::memory_order_relaxed);
   for (int64_t b = 0; b < nunits; ++b) unit_done[b].v.store(0, std::memory_order_relaxed);
+  // What the thread of slot `slot` reads after rows [.., r1) of expert ei (bank w, split sp):
+  // the rest of its share, then its share of the next expert; after the last expert's gate/up
+  // share, its first down share (its own range in run_phases when slots == threads).
+  auto read_next = [&](const SlotSplit& sp, const Bank& w, int64_t slot, int64_t ei, int64_t r1) {
+    ReadNext n{sp.row(slot, sp.units) - r1};
+    const SlotSplit* ns = &sp;
+    const Bank* nw = &w;
+    int64_t ne = ei + 1;
+    if (ne == nact) {
+      if (&sp == &sp2 || slot >= sp2.slots) return n;
+      ns = &sp2;
+      nw = &a.w2;
+      ne = 0;
+    }
+    n.w = nw;
+    n.e = rt.experts[ne];
+    n.r0 = ns->row(slot, 0);
+    n.nrows = ns->row(slot, ns->units) - n.r0;
+    return n;
+  };
   // Profiling: lap(field) adds the time since the last lap to this thread's field.
   const bool prof = profiling_;
   auto item_fn = [&](int64_t item, int tid) {
@@ -176,7 +197,7 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
       if (r1 > r0) {
         dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
-             2 * I, sp1.row(slot, sp1.units) - r1);
+             2 * I, read_next(sp1, a.w13, slot, ei, r1));
         lap(&LayerProfile::gate_up);
       }
       std::atomic<int32_t>& units_done = share[slot * lines + ei / 16].v[ei % 16];
@@ -199,7 +220,7 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       lap(&LayerProfile::wait);
       const int64_t p0 = rt.p0[ei];
       dot2(a.w2, rt.experts[ei], r0, r1 - r0, acts2 + p0, static_cast<int>(rt.p0[ei + 1] - p0),
-           d + p0 * H + r0, H, sp2.row(slot, sp2.units) - r1);
+           d + p0 * H + r0, H, read_next(sp2, a.w2, slot, ei, r1));
       lap(&LayerProfile::down);
     }
     if (unit_done[slot * sp2.units + u].v.fetch_add(1, std::memory_order_acq_rel) + 1 == nact) {
@@ -292,7 +313,7 @@ void Executor::dot(const Bank& w, int64_t e, const float* x, int64_t T, float* o
   const int64_t n = nt == 1 ? 1 : nt * kUnitsPerThread;
   auto run = [&](int64_t i, int) {
     const int64_t r0 = w.N * i / n / 4 * 4, r1 = i + 1 == n ? w.N : w.N * (i + 1) / n / 4 * 4;
-    if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N, w.N - r1);
+    if (r1 > r0) dot(w, e, r0, r1 - r0, ptr, static_cast<int>(T), out + r0, w.N, ReadNext{w.N - r1});
   };
   if (n == 1) {
     run(0, 0);

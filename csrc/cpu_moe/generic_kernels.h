@@ -140,7 +140,7 @@ static float reduce_lanes(const float* a) {  // fixed pairwise tree
 template <SegDecoder DEC>
 static void dot_float(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                       const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                      int64_t /*ahead*/) {
+                      const ReadNext& /*next*/) {
   alignas(64) float wf[kSeg];
   alignas(64) float acc[kTokGroup][kLanes];
   for (int64_t r = r0; r < r0 + nrows; ++r) {
@@ -237,7 +237,7 @@ static inline int32_t idot16(const int8_t* a, const int8_t* b) {
 template <BlockDecoder DEC, int BS, int BBYTES>
 static void dot_q8(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                    const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                   int64_t /*ahead*/) {
+                   const ReadNext& /*next*/) {
   alignas(64) int8_t q[BS];
   float sw[BS / 16], mw[BS / 32];
   const int64_t nblk = w.K / BS;

@@ -167,9 +167,9 @@ static inline void rows_all_tokens(const Bank& w, int64_t e, int64_t r, const ui
 template <bool kVbmi>
 static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                       const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                      int64_t ahead) {
+                      const ReadNext& next) {
   const int64_t r1 = r0 + nrows;
-  const Prefetch pre = nvfp4_prefetch(w, e, r0, nrows, ahead);
+  const Prefetch pre = nvfp4_prefetch(w, e, r0, nrows, next);
   int64_t r = r0;
   if (ntok == 1)
     for (; r + 4 <= r1; r += 4)

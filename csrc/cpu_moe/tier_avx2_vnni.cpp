@@ -172,9 +172,9 @@ static inline void row_all_tokens(const Bank& w, int64_t e, int64_t r, const uin
 // with 3 rows, 25.5 with 4, 24.5 with 2; K = 512 22.2 with 3 or 4).
 static void dot_nvfp4(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                       const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                      int64_t ahead) {
+                      const ReadNext& next) {
   const int64_t r1 = r0 + nrows, sb = w.K / 16;
-  const Prefetch pre = nvfp4_prefetch(w, e, r0, nrows, ahead);
+  const Prefetch pre = nvfp4_prefetch(w, e, r0, nrows, next);
   int64_t r = r0;
   if (ntok == 1)
     for (; r + 3 <= r1; r += 3)

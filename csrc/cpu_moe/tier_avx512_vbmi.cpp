@@ -6,8 +6,8 @@ namespace ft {
 
 void nvfp4_dot_avx512_vbmi(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                            const uint8_t* const* acts, int ntok, float* out, int64_t os,
-                           int64_t ahead) {
-  dot512::dot_nvfp4<true>(w, e, r0, nrows, acts, ntok, out, os, ahead);
+                           const ReadNext& next) {
+  dot512::dot_nvfp4<true>(w, e, r0, nrows, acts, ntok, out, os, next);
 }
 
 }  // namespace ft
