@@ -155,6 +155,17 @@ template <bool L2>
   }
 }
 
+// The first `bytes` (at most) of rows [r0, r0 + nrows) of expert e into L2, with their NVFP4
+// scales: the start of a run of rows no earlier prefetch led into (a thread's first share of a
+// layer), requested at once instead of a demand miss at a time.
+inline void prefetch_head_l2(const Bank& w, int64_t e, int64_t r0, int64_t nrows, int64_t bytes) {
+  const int64_t n = std::min(bytes, nrows * w.row_bytes);
+  if (n <= 0) return;
+  prefetch_lines_l2(w.row(e, r0), static_cast<int>((n + 63) / 64));
+  if (w.fmt == Fmt::NVFP4)
+    prefetch_lines_l2(w.scales + (e * w.N + r0) * (w.K / 16), static_cast<int>((n / 8 + 63) / 64));
+}
+
 // The prefetch for R adjacent rows read a step at a time: `done` code bytes of each row read
 // so far, `step` bytes of each row in this step. The R rows are one contiguous stretch, so the
 // cursor is linear (R x done). Forced inline: as a call it cost the 256-bit dot 4% (1 core,

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -135,7 +136,8 @@ static void reduce_rows(const LayerArgs& a, const std::vector<int64_t>& pidx, co
 // All of this is the same arithmetic whichever thread does it: results do not depend on the
 // thread count.
 void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
-                     uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d) {
+                     uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d,
+                     const InputPrep* in) {
   const int64_t N = a.w13.N, I = N / 2, H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
   const SlotSplit sp1 = slot_split(N, a.w13.expert_bytes() / N, nact, pool_.size());
   const SlotSplit sp2 = slot_split(H, a.w2.expert_bytes() / H, nact, pool_.size());
@@ -178,6 +180,22 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
     n.nrows = ns->row(slot, ns->units) - n.r0;
     return n;
   };
+  // Before its first item, each thread requests the head of its first share (nothing led a
+  // prefetch into it), and the caller prepares the layer input when that is left to the run
+  // (small batches: the workers wake, and fetch, while it quantizes); gate/up items wait for it.
+  std::atomic<int>& input_ready = input_ready_.v;
+  input_ready.store(in ? 0 : 1, std::memory_order_relaxed);
+  const PrepFn prep1 = k_->fmt[static_cast<int>(a.w13.fmt)].prep;
+  const std::function<void(int)> first = [&](int tid) {
+    if (tid == 0 && in) {
+      for (int64_t t = 0; t < in->T; ++t) prep1(in->x + t * in->K, in->K, in->out + t * in->stride);
+      input_ready.store(1, std::memory_order_release);
+    }
+    if (tid < sp1.slots && nact > 0 && prefetch_l2_bytes() > 0) {
+      const int64_t r0 = sp1.row(tid, 0);
+      prefetch_head_l2(a.w13, rt.experts[0], r0, sp1.row(tid, sp1.units) - r0, prefetch_l2_bytes());
+    }
+  };
   // Profiling: lap(field) adds the time since the last lap to this thread's field.
   const bool prof = profiling_;
   auto item_fn = [&](int64_t item, int tid) {
@@ -196,6 +214,10 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       const int64_t r0 = sp1.row(slot, u), r1 = sp1.row(slot, u + 1);
       const int64_t p0 = rt.p0[ei], p1 = rt.p0[ei + 1], e = rt.experts[ei];
       if (r1 > r0) {
+        if (!input_ready.load(std::memory_order_acquire)) {
+          wait_until_set(input_ready);
+          lap(&LayerProfile::wait);
+        }
         dot1(a.w13, e, r0, r1 - r0, acts + p0, static_cast<int>(p1 - p0), h + p0 * 2 * I + r0,
              2 * I, read_next(sp1, a.w13, slot, ei, r1));
         lap(&LayerProfile::gate_up);
@@ -231,7 +253,7 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
   };
   const auto t0 = prof ? Clock::now() : Clock::time_point{};
   const int64_t phases[2] = {sp1.items(), sp2.items()};
-  pool_.run_phases(phases, 2, item_fn);
+  pool_.run_phases(phases, 2, item_fn, &first);
   if (prof) {
     prof_span_ += seconds_since(t0);
     prof_calls_++;
@@ -245,6 +267,27 @@ void Executor::set_profiling(bool on) {
   prof_calls_ = 0;
 }
 
+// Pairs (t, j) sorted by expert (stable): one expert's tokens are contiguous.
+void Executor::route(const LayerArgs& a) {
+  const int64_t P = a.T * a.k;
+  Routing& rt = rt_;
+  rt.experts.clear();
+  rt.p0.clear();
+  rt.pidx.resize(P);
+  rt.order.resize(P);
+  for (int64_t i = 0; i < P; ++i) rt.order[i] = i;
+  std::stable_sort(rt.order.begin(), rt.order.end(),
+                   [&](int64_t u, int64_t v) { return a.ids[u] < a.ids[v]; });
+  for (int64_t p = 0; p < P; ++p) {
+    rt.pidx[rt.order[p]] = p;
+    if (p == 0 || a.ids[rt.order[p]] != a.ids[rt.order[p - 1]]) {
+      rt.experts.push_back(a.ids[rt.order[p]]);
+      rt.p0.push_back(p);
+    }
+  }
+  rt.p0.push_back(P);
+}
+
 void Executor::forward(const LayerArgs& a) {
   const int64_t E = a.w13.E, H = a.w13.K, I = a.w13.N / 2, P = a.T * a.k;
   for (int64_t i = 0; i < P; ++i)
@@ -252,28 +295,19 @@ void Executor::forward(const LayerArgs& a) {
       throw std::invalid_argument("expert_ids[" + std::to_string(i / a.k) + ", " +
                                   std::to_string(i % a.k) + "] = " + std::to_string(a.ids[i]) +
                                   " is outside [0, " + std::to_string(E) + ")");
-  // Pairs (t, j) sorted by expert (stable): one expert's tokens are contiguous.
-  Routing rt;
-  std::vector<int64_t> order(P);
-  rt.pidx.resize(P);
-  for (int64_t i = 0; i < P; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t u, int64_t v) { return a.ids[u] < a.ids[v]; });
-  for (int64_t p = 0; p < P; ++p) {
-    rt.pidx[order[p]] = p;
-    if (p == 0 || a.ids[order[p]] != a.ids[order[p - 1]]) {
-      rt.experts.push_back(a.ids[order[p]]);
-      rt.p0.push_back(p);
-    }
-  }
-  rt.p0.push_back(P);
+  route(a);
+  const Routing& rt = rt_;
 
-  // 1. the layer input, once per token, in the w13 format's activation layout (inline at T=1)
+  // 1. the layer input, once per token, in the w13 format's activation layout: on the pool
+  //    first when large; at small batches (T * H <= 8192) the caller does it inside the
+  //    layer's pool run (see layer())
   const int64_t xs = act_stride(*k_, a.w13.fmt, H);
   uint8_t* xq = xq_.get(a.T * xs);
-  prep_tokens(a.w13, a.x, a.T, H, xq, xs);
+  const InputPrep in{a.x, a.T, H, xq, xs};
+  const bool inline_prep = a.T * H <= 8192;
+  if (!inline_prep) prep_tokens(a.w13, a.x, a.T, H, xq, xs);
   auto** ptr = reinterpret_cast<const uint8_t**>(ptrs_.get(P * sizeof(void*)));
-  for (int64_t p = 0; p < P; ++p) ptr[p] = xq + (order[p] / a.k) * xs;
+  for (int64_t p = 0; p < P; ++p) ptr[p] = xq + (rt.order[p] / a.k) * xs;
 
   // 2. gate/up -> GLU -> the down input aq[p] ([P, 2I] h), then down d[p] ([P, H]) and
   //    y[t] = sum_j route[t, j] * d[p(t, j)] * s_down, in one pool run
@@ -283,7 +317,7 @@ void Executor::forward(const LayerArgs& a) {
   auto** ptr2 = reinterpret_cast<const uint8_t**>(ptrs2_.get(P * sizeof(void*)));
   for (int64_t p = 0; p < P; ++p) ptr2[p] = aq + p * as;
   float* d = reinterpret_cast<float*>(d_.get(P * H * 4));
-  layer(a, rt, ptr, h, aq, as, ptr2, d);
+  layer(a, rt, ptr, h, aq, as, ptr2, d, inline_prep ? &in : nullptr);
 }
 
 // ============================================================================

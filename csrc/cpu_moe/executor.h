@@ -122,11 +122,21 @@ class Executor {
   void prep_tokens(const Bank& w, const float* x, int64_t T, int64_t K, uint8_t* out,
                    int64_t stride);
   // Pairs sorted by expert: experts[i] has pairs p0[i] .. p0[i+1]-1; pidx[t*k + j] = its pair.
+  // Reused across calls (no allocation per layer once grown).
   struct Routing {
-    std::vector<int64_t> experts, p0, pidx;
+    std::vector<int64_t> experts, p0, pidx, order;
+  };
+  void route(const LayerArgs& a);
+  // The layer input's activation prep, when the layer's pool run does it (small batches).
+  struct InputPrep {
+    const float* x;
+    int64_t T, K;
+    uint8_t* out;
+    int64_t stride;
   };
   void layer(const LayerArgs& a, const Routing& rt, const uint8_t* const* acts, float* h,
-             uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d);
+             uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d,
+             const InputPrep* in);
 
   ThreadPool pool_;
   const Kernels* k_;
@@ -134,6 +144,11 @@ class Executor {
   Slots<ExpertSync> sync_;
   Slots<Counter> unit_done_;
   Slots<CounterLine> share_;
+  Routing rt_;
+  struct alignas(64) Flag {
+    std::atomic<int> v{0};
+  };
+  Flag input_ready_;  // the layer input is prepared (set in the pool run at small batches)
   bool profiling_ = false;
   std::vector<LayerProfile> prof_;
   double prof_span_ = 0;

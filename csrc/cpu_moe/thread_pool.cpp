@@ -135,12 +135,14 @@ void ThreadPool::run(int64_t n_items, const std::function<void(int64_t)>& fn) {
 }
 
 void ThreadPool::run_phases(const int64_t* sizes, int nphases,
-                            const std::function<void(int64_t, int)>& fn) {
+                            const std::function<void(int64_t, int)>& fn,
+                            const std::function<void(int)>* first) {
   if (nphases < 1 || nphases > kMaxPhases) throw std::invalid_argument("run_phases: 1 or 2 phases");
   int64_t total = 0;
   for (int p = 0; p < nphases; ++p) total += sizes[p];
   if (total <= 0) return;
   if (n_ == 1) {
+    if (first) (*first)(0);
     for (int64_t i = 0; i < total; ++i) fn(i, 0);
     return;
   }
@@ -151,6 +153,7 @@ void ThreadPool::run_phases(const int64_t* sizes, int nphases,
       c.end = sizes[p] * (t + 1) / n_;
     }
   run_per_thread([&](int tid) {
+    if (first) (*first)(tid);
     int64_t base = 0;
     for (int p = 0; p < nphases; ++p) {
       Cursor* cs = &cursors_[p * n_];

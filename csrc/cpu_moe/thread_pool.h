@@ -41,8 +41,10 @@ class ThreadPool {
   // are neighbours in memory when the caller's are), then takes what is left of the others'
   // ranges (the next thread's first), and enters the next phase only when every item of this
   // one is claimed: an item of phase p + 1 may wait for items of phase p (they are all running).
+  // `first(tid)`, when given, runs on each thread before it claims any item.
   static constexpr int kMaxPhases = 2;
-  void run_phases(const int64_t* sizes, int nphases, const std::function<void(int64_t, int)>& fn);
+  void run_phases(const int64_t* sizes, int nphases, const std::function<void(int64_t, int)>& fn,
+                  const std::function<void(int)>* first = nullptr);
 
  private:
   void worker(int tid);
