@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.shape} bs={T} on {ex.num_threads} threads ({ex.isa}): "
           f"{nbytes / seconds / 1e9:.1f} GB/s, {seconds / args.calls * us:.1f} us per layer call, "
           f"pool run {prof['span'] * us:.1f} us")
-    cols = ("gate_up", "glu", "wait", "down", "reduce", "other")
+    cols = ("start", "gate_up", "glu", "wait", "down", "reduce", "end", "other")
     print(f"{'thread':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'items':>7}")
     for i, t in enumerate(prof["threads"]):
         print(f"{i:>6}" + "".join(f"{t[c] * us:>9.1f}" for c in cols) + f"{t['items']:>7.1f}")

@@ -92,8 +92,9 @@ NB_MODULE(_cpu_moe, m) {
              nb::list threads;
              for (const ft::LayerProfile& p : ex.layer_profile()) {
                nb::dict d;
-               d["gate_up"] = p.gate_up, d["glu"] = p.glu, d["wait"] = p.wait;
-               d["down"] = p.down, d["reduce"] = p.reduce, d["items"] = p.items;
+               d["start"] = p.start, d["gate_up"] = p.gate_up, d["glu"] = p.glu;
+               d["wait"] = p.wait, d["down"] = p.down, d["reduce"] = p.reduce, d["end"] = p.end;
+               d["items"] = p.items;
                threads.append(d);
              }
              nb::dict out;

@@ -76,13 +76,12 @@ constexpr int64_t kUnitBytes = 32 << 10;
 
 struct SlotSplit {
   int64_t rows, nact, slots, units;
+  // bound[t * units + u]: the first row of unit u of slot t; bound[slots * units] = rows
+  // (a table filled once per call: a work item reads it instead of dividing ~10 times).
+  const int64_t* bound;
   int64_t items() const { return slots * nact * units; }
-  int64_t slot_begin(int64_t t) const { return t == slots ? rows : rows * t / slots / 4 * 4; }
   // First row of unit u of slot t (u == units: the slot's end).
-  int64_t row(int64_t t, int64_t u) const {
-    const int64_t a = slot_begin(t), b = slot_begin(t + 1);
-    return u == units ? b : a + (b - a) * u / units / 4 * 4;
-  }
+  int64_t row(int64_t t, int64_t u) const { return bound[t * units + u]; }
   void item(int64_t i, int64_t& t, int64_t& ei, int64_t& u) const {
     t = i / (nact * units);
     ei = i / units % nact;
@@ -90,11 +89,26 @@ struct SlotSplit {
   }
 };
 
-static SlotSplit slot_split(int64_t rows, int64_t row_bytes, int64_t nact, int threads) {
+// Slots at [rows * t / slots] and units at [(b - a) * u / units] inside them, all rounded down
+// to 4 rows; `bound` receives slots * units + 1 entries.
+static SlotSplit slot_split(int64_t rows, int64_t row_bytes, int64_t nact, int threads,
+                            int64_t* bound) {
   const int64_t slots = std::max<int64_t>(1, std::min<int64_t>(threads, rows / 4));
   const int64_t units = std::max<int64_t>(
       1, std::min<int64_t>(rows / slots / 4, (rows / slots * row_bytes + kUnitBytes / 2) / kUnitBytes));
-  return SlotSplit{rows, nact, slots, units};
+  for (int64_t t = 0; t < slots; ++t) {
+    const int64_t a = rows * t / slots / 4 * 4;
+    const int64_t b = t + 1 == slots ? rows : rows * (t + 1) / slots / 4 * 4;
+    for (int64_t u = 0; u < units; ++u) bound[t * units + u] = a + (b - a) * u / units / 4 * 4;
+  }
+  bound[slots * units] = rows;
+  return SlotSplit{rows, nact, slots, units, bound};
+}
+
+// Entries slot_split may write for `threads` threads.
+static int64_t slot_split_bound_size(int64_t rows, int threads) {
+  const int64_t slots = std::max<int64_t>(1, std::min<int64_t>(threads, rows / 4));
+  return slots * std::max<int64_t>(1, rows / slots / 4) + 1;
 }
 
 // y[t, c0:c1] = sum_j route[t, j] * d[p(t, j), c0:c1] * s_down, in j order (fixed order).
@@ -139,8 +153,10 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
                      uint8_t* aq, int64_t as, const uint8_t* const* acts2, float* d,
                      const InputPrep* in) {
   const int64_t N = a.w13.N, I = N / 2, H = a.w2.N, nact = static_cast<int64_t>(rt.experts.size());
-  const SlotSplit sp1 = slot_split(N, a.w13.expert_bytes() / N, nact, pool_.size());
-  const SlotSplit sp2 = slot_split(H, a.w2.expert_bytes() / H, nact, pool_.size());
+  const int64_t nb1 = slot_split_bound_size(N, pool_.size());
+  int64_t* bound = bounds_.get(nb1 + slot_split_bound_size(H, pool_.size()));
+  const SlotSplit sp1 = slot_split(N, a.w13.expert_bytes() / N, nact, pool_.size(), bound);
+  const SlotSplit sp2 = slot_split(H, a.w2.expert_bytes() / H, nact, pool_.size(), bound + nb1);
   const DotFn dot1 = k_->fmt[static_cast<int>(a.w13.fmt)].dot;
   const DotFn dot2 = k_->fmt[static_cast<int>(a.w2.fmt)].dot;
   const PrepFn prep2 = k_->fmt[static_cast<int>(a.w2.fmt)].prep;
@@ -186,6 +202,10 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
   std::atomic<int>& input_ready = input_ready_.v;
   input_ready.store(in ? 0 : 1, std::memory_order_relaxed);
   const PrepFn prep1 = k_->fmt[static_cast<int>(a.w13.fmt)].prep;
+  // Profiling: from the run's start to the thread's first item (`start`), and from its last
+  // item to the run's end (`end`); lap(field) below adds the time since the last lap.
+  const bool prof = profiling_;
+  const auto t0 = prof ? Clock::now() : Clock::time_point{};
   const std::function<void(int)> first = [&](int tid) {
     if (tid == 0 && in) {
       for (int64_t t = 0; t < in->T; ++t) prep1(in->x + t * in->K, in->K, in->out + t * in->stride);
@@ -195,10 +215,12 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       const int64_t r0 = sp1.row(tid, 0);
       prefetch_head_l2(a.w13, rt.experts[0], r0, sp1.row(tid, sp1.units) - r0, prefetch_l2_bytes());
     }
+    if (prof) {
+      prof_last_[tid] = Clock::now();
+      prof_[tid].start += std::chrono::duration<double>(prof_last_[tid] - t0).count();
+    }
   };
-  // Profiling: lap(field) adds the time since the last lap to this thread's field.
-  const bool prof = profiling_;
-  auto item_fn = [&](int64_t item, int tid) {
+  auto body = [&](int64_t item, int tid) {
     LayerProfile* pr = prof ? &prof_[tid] : nullptr;
     Clock::time_point t = prof ? Clock::now() : Clock::time_point{};
     auto lap = [&](double LayerProfile::*field) {
@@ -251,18 +273,25 @@ void Executor::layer(const LayerArgs& a, const Routing& rt, const uint8_t* const
       lap(&LayerProfile::reduce);
     }
   };
-  const auto t0 = prof ? Clock::now() : Clock::time_point{};
+  auto item_fn = [&](int64_t item, int tid) {
+    body(item, tid);
+    if (prof) prof_last_[tid] = Clock::now();
+  };
   const int64_t phases[2] = {sp1.items(), sp2.items()};
   pool_.run_phases(phases, 2, item_fn, &first);
   if (prof) {
-    prof_span_ += seconds_since(t0);
+    const auto t1 = Clock::now();
+    prof_span_ += std::chrono::duration<double>(t1 - t0).count();
     prof_calls_++;
+    for (int t = 0; t < pool_.size(); ++t)
+      prof_[t].end += std::chrono::duration<double>(t1 - prof_last_[t]).count();
   }
 }
 
 void Executor::set_profiling(bool on) {
   profiling_ = on;
   prof_.assign(pool_.size(), LayerProfile{});
+  prof_last_.assign(pool_.size(), Clock::time_point{});
   prof_span_ = 0;
   prof_calls_ = 0;
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <utility>
@@ -75,12 +76,14 @@ struct alignas(64) CounterLine {
   std::atomic<int32_t> v[16];
 };
 
-// Where the layers' time went on one thread (seconds summed over the profiled calls): its
-// gate/up dots, the GLU + down-input quant of the experts it completed, waiting for an
-// expert's GLU output, its down dots, the output reductions it did. The rest of `span` (the
-// layers' pool runs, the same for every thread) is claiming work, waking and idling.
+// Where the layers' time went on one thread (seconds summed over the profiled calls): from the
+// pool run's start to its first item (waking, its first prefetches; on the caller, also the
+// input's quantization at small batches), its gate/up dots, the GLU + down-input quant of the
+// experts it completed, waiting (for the input or an expert's GLU output), its down dots, the
+// output reductions it did, and from its last item to the run's end. The rest of `span` (the
+// layers' pool runs, the same for every thread) is claiming work and the profiler's clock reads.
 struct LayerProfile {
-  double gate_up = 0, glu = 0, wait = 0, down = 0, reduce = 0;
+  double start = 0, gate_up = 0, glu = 0, wait = 0, down = 0, reduce = 0, end = 0;
   int64_t items = 0;
 };
 
@@ -144,6 +147,7 @@ class Executor {
   Slots<ExpertSync> sync_;
   Slots<Counter> unit_done_;
   Slots<CounterLine> share_;
+  Slots<int64_t> bounds_;  // the layer's SlotSplit row tables
   Routing rt_;
   struct alignas(64) Flag {
     std::atomic<int> v{0};
@@ -151,6 +155,7 @@ class Executor {
   Flag input_ready_;  // the layer input is prepared (set in the pool run at small batches)
   bool profiling_ = false;
   std::vector<LayerProfile> prof_;
+  std::vector<std::chrono::steady_clock::time_point> prof_last_;  // a thread's last item's end
   double prof_span_ = 0;
   int64_t prof_calls_ = 0;
 };

@@ -195,16 +195,20 @@ class CpuMoeExecutor:
         self._ex.set_profiling(bool(on))
 
     def layer_profile(self) -> dict:
-        """Seconds per layer call since profile_layers(True), per thread: gate_up (dots),
-        glu (GLU + down-input quant of the experts it completed), wait (for an expert's GLU
-        output), down (dots), reduce (output sums), other (claiming work, waking, idle: the rest
-        of the pool run), and items (work units per call)."""
+        """Seconds per layer call since profile_layers(True), per thread: start (from the pool
+        run's start to its first item: waking, first prefetches, and on the caller the input's
+        quantization at small batches), gate_up (dots), glu (GLU + down-input quant of the
+        experts it completed), wait (for the input or an expert's GLU output), down (dots),
+        reduce (output sums), end (from its last item to the run's end: idle), other (claiming
+        work and the profiler's own clock reads: the rest of the pool run), and items (work
+        units per call)."""
         raw = self._ex.layer_profile()
         calls = max(1, raw["calls"])
         span = raw["span"] / calls
         threads = []
         for t in raw["threads"]:
-            row = {k: t[k] / calls for k in ("gate_up", "glu", "wait", "down", "reduce")}
+            row = {k: t[k] / calls
+                   for k in ("start", "gate_up", "glu", "wait", "down", "reduce", "end")}
             row["other"] = span - sum(row.values())
             row["items"] = t["items"] / calls
             threads.append(row)

@@ -36,8 +36,9 @@ def test_profile_accounts_every_unit_and_changes_nothing():
     units = 2 * 3 * active
     assert sum(t["items"] for t in prof["threads"]) == pytest.approx(units)
     for t in prof["threads"]:
-        parts = [t[f] for f in ("gate_up", "glu", "wait", "down", "reduce")]
+        parts = [t[f] for f in ("start", "gate_up", "glu", "wait", "down", "reduce", "end")]
         assert min(parts) >= 0 and sum(parts) <= prof["span"] * 1.01
+        assert t["start"] > 0 and t["end"] > 0  # every run has a first item and an end
     assert sum(t["gate_up"] + t["down"] for t in prof["threads"]) > 0
 
 
