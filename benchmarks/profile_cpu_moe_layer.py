@@ -4,9 +4,11 @@
 
 Runs one of the benchmark's layer shapes from DRAM (cycling through enough layers to pass the
 last-level cache) with the executor's time accounting on, and prints per thread the
-microseconds per layer call in gate/up dots, GLU + down-input quant, waiting for an expert's
-GLU output, down dots, output reductions, and the rest of the pool run (claiming work,
-waking, idle), plus the GB/s of the run.
+microseconds per layer call from the pool run's start to its first item, in gate/up dots,
+GLU + down-input quant, waiting (for the input or an expert's GLU output), down dots, output
+reductions, after its last item, and the rest (claiming work, the profiler's clock reads),
+plus the GB/s of the run. `--shape 256x64` is a layer whose experts stay in cache: its call
+time is the executor's fixed cost per layer (routing, waking the pool, the end of the run).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from freetoken.moe.cpu_executor import CpuMoeExecutor, default_threads
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="2048x512",
-                    help="2048x512 | 2560x640 | 2816x704 | 2048x512-Q4_K_M")
+                    help="2048x512 | 2560x640 | 2816x704 | 2048x512-Q4_K_M | 256x64")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--isa", default=None, help="a tier name (default: the best)")
@@ -31,10 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     shapes = {s.label.split()[0] + ("-" + s.label.split()[-1] if s.formats[0] != "nvfp4" else ""): s
               for s in cpu_bench.SHAPES}
+    shapes["256x64"] = cpu_bench.LayerShape("256x64 top8", 256, 64, 8, 16, "fixed cost")
     if args.shape not in shapes:
         ap.error(f"--shape must be one of {', '.join(shapes)}")
     ex = CpuMoeExecutor(args.threads or default_threads(), isa=args.isa)
-    lb = cpu_bench.LayerBench(shapes[args.shape], cpu_bench.dram_budget())
+    budget = 1 << 20 if args.shape == "256x64" else cpu_bench.dram_budget()
+    lb = cpu_bench.LayerBench(shapes[args.shape], budget)
     T = args.batch
     x, out = torch.randn(T, lb.shape.hidden), torch.empty(T, lb.shape.hidden)
     ids, route, nbytes = lb.routing(args.calls, T, 1)

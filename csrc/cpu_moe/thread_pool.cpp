@@ -64,44 +64,59 @@ static void pin_workers(std::vector<std::thread>& threads) {
 }
 
 ThreadPool::ThreadPool(int num_threads)
-    : n_(num_threads < 1 ? 1 : num_threads), cursors_(new Cursor[kMaxPhases * n_]) {
+    : n_(num_threads < 1 ? 1 : num_threads),
+      go_(new Flag[n_]),
+      done_(new Flag[n_]),
+      cursors_(new Cursor[kMaxPhases * n_]) {
   for (int t = 1; t < n_; ++t) threads_.emplace_back([this, t] { worker(t); });
   pin_workers(threads_);
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    stop_.store(true);
-    gen_.fetch_add(1);
-  }
-  cv_.notify_all();
+  stop_.store(true);
+  signal_all(++gen_);
   for (auto& th : threads_) th.join();
+}
+
+// Publishes run g (and job_, written before) to every worker, and wakes the sleeping ones.
+// Dekker with a worker going to sleep: it counts itself in sleepers_ and then reads its go;
+// this stores every go and then reads sleepers_ (all seq_cst), so one of the two sees the
+// other's write: the worker does not sleep, or this notifies it (under the mutex, which the
+// worker holds from its check to its wait).
+void ThreadPool::signal_all(uint64_t g) {
+  for (int t = 1; t < n_; ++t) go_[t].v.store(g, std::memory_order_seq_cst);
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    { std::lock_guard<std::mutex> lk(mu_); }
+    cv_.notify_all();
+  }
 }
 
 void ThreadPool::worker(int tid) {
   uint64_t seen = 0;
   const SpinPolicy& sp = spin_policy();
   using Clock = std::chrono::steady_clock;
+  std::atomic<uint64_t>& go = go_[tid].v;
   for (;;) {
-    uint64_t g = gen_.load(std::memory_order_acquire);
+    uint64_t g = go.load(std::memory_order_acquire);
     const auto t0 = Clock::now();
     for (uint64_t i = 1; g == seen; ++i) {  // the clock is read every 256 polls
       if (i % 256 == 0 && std::chrono::duration_cast<std::chrono::nanoseconds>(
                                 Clock::now() - t0).count() >= sp.spin_ns)
         break;
       relax(i, sp.pause_every);
-      g = gen_.load(std::memory_order_acquire);
+      g = go.load(std::memory_order_acquire);
     }
     if (g == seen) {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
-      g = gen_.load(std::memory_order_acquire);
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      cv_.wait(lk, [&] { return go.load(std::memory_order_seq_cst) != seen; });
+      sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      g = go.load(std::memory_order_acquire);
     }
     seen = g;
     if (stop_.load()) return;
     (*job_)(tid);
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    done_[tid].v.store(g, std::memory_order_release);
   }
 }
 
@@ -111,15 +126,12 @@ void ThreadPool::run_per_thread(const std::function<void(int)>& fn) {
     return;
   }
   job_ = &fn;
-  pending_.store(n_ - 1, std::memory_order_release);
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    gen_.fetch_add(1, std::memory_order_acq_rel);
-  }
-  cv_.notify_all();
+  const uint64_t g = ++gen_;
+  signal_all(g);
   fn(0);
   const int pe = spin_policy().pause_every;
-  for (uint64_t i = 0; pending_.load(std::memory_order_acquire) != 0; ++i) relax(i, pe);
+  for (int t = 1; t < n_; ++t)
+    for (uint64_t i = 0; done_[t].v.load(std::memory_order_acquire) != g; ++i) relax(i, pe);
 }
 
 void ThreadPool::run(int64_t n_items, const std::function<void(int64_t)>& fn) {

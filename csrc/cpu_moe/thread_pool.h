@@ -48,13 +48,23 @@ class ThreadPool {
 
  private:
   void worker(int tid);
+  void signal_all(uint64_t g);
 
   int n_;
   std::vector<std::thread> threads_;
-  std::mutex mu_;
+  // Start and end of a run, per worker on lines of their own: the caller stores the run's
+  // number in each worker's `go` and polls each `done`; a worker polls its own `go` and stores
+  // its `done`. One counter that every worker polls and then decrements costs a transfer of
+  // that line per worker, one after another (~15 x 0.1-0.2 us at 15 threads, at the start and
+  // again at the end of every layer); these transfers overlap.
+  struct alignas(64) Flag {
+    std::atomic<uint64_t> v{0};
+  };
+  std::unique_ptr<Flag[]> go_, done_;
+  uint64_t gen_ = 0;               // the last run's number (the caller's)
+  std::mutex mu_;                  // sleeping workers wait on cv_ under it
   std::condition_variable cv_;
-  std::atomic<uint64_t> gen_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   const std::function<void(int)>* job_ = nullptr;
 
