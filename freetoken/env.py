@@ -36,6 +36,12 @@ def cpu_moe_no_avx512vnni() -> bool:
     return _flag("FREETOKEN_CPU_MOE_NO_AVX512VNNI")
 
 
+def cpu_moe_hugepages() -> bool:
+    """FREETOKEN_CPU_MOE_HUGEPAGES=0: do not ask for transparent huge pages for host weights."""
+    return os.environ.get("FREETOKEN_CPU_MOE_HUGEPAGES", "").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None

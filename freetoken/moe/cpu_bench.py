@@ -33,8 +33,16 @@ from dataclasses import dataclass
 import gguf
 import torch
 
+from freetoken import env
 from freetoken.formats.qweight import QuantWeight
-from freetoken.moe.cpu_executor import TIERS, CpuMoeExecutor, default_threads, make_bank
+from freetoken.moe.cpu_executor import (
+    TIERS,
+    CpuMoeExecutor,
+    default_threads,
+    huge_page_empty,
+    make_bank,
+    thp_mode,
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +110,9 @@ def dram_budget() -> int:
 
 
 def _fill(buf: torch.Tensor, seed: int) -> None:
-    """Touch every page with random-looking bytes, cheaply (a 1 MiB pattern tiled)."""
+    """Touch every page with random-looking bytes, cheaply (a 1 MiB pattern tiled). The
+    buffers come from huge_page_empty, as the executor's weights would: on huge pages where
+    the kernel grants them (the ceiling's buffer too, so both sides of a ratio read alike)."""
     flat = buf.view(-1)
     pat = torch.randint(0, 256, (1 << 20,), generator=torch.Generator().manual_seed(seed),
                         dtype=torch.int32).to(torch.uint8)
@@ -116,7 +126,7 @@ def gguf_bank(qtype: str, E: int, N: int, K: int, seed: int) -> QuantWeight:
     NaN, infinity or subnormal products to slow the float paths."""
     t = gguf.GGMLQuantizationType[qtype]
     bs, bb = gguf.GGML_QUANT_SIZES[t]
-    data = torch.empty(E, N, K // bs, bb, dtype=torch.uint8)
+    data = huge_page_empty((E, N, K // bs, bb), torch.uint8)
     _fill(data, seed)
     for off, half in {"Q4_K": ((0, 0x2000), (2, 0x1800)), "Q6_K": ((208, 0x2000),),
                       "Q8_0": ((0, 0x2000),), "Q4_0": ((0, 0x2000),)}[qtype]:
@@ -130,12 +140,12 @@ def make_weights(fmt: str, E: int, N: int, K: int, seed: int) -> QuantWeight:
 
 
 def nvfp4_bank(E: int, N: int, K: int, seed: int) -> QuantWeight:
-    data = torch.empty(E, N, K // 2, dtype=torch.uint8)
+    data = huge_page_empty((E, N, K // 2), torch.uint8)
     _fill(data, seed)
     # Scales: E4M3 0.5..2 (no NaN, no subnormals, so no slow float paths).
-    scales = torch.empty(E, N, K // 16, dtype=torch.uint8)
+    scales = huge_page_empty((E, N, K // 16), torch.uint8)
     _fill(scales, seed + 1)
-    scales = ((scales & 0x0F) | 0x30).view(torch.float8_e4m3fn)
+    scales = scales.bitwise_and_(0x0F).bitwise_or_(0x30).view(torch.float8_e4m3fn)
     return QuantWeight(data, "nvfp4", (E, N, K), scales=scales)
 
 
@@ -309,16 +319,17 @@ def run_bench(threads: int | None = None, isa: str | None = None, log=print) -> 
     threads = threads or default_threads()
     tiers = host_tiers(isa)
     budget = dram_budget()
+    huge = thp_mode() if env.cpu_moe_hugepages() else "off (FREETOKEN_CPU_MOE_HUGEPAGES=0)"
     log(f"CPU MoE bench: {platform.processor() or platform.machine()}, {threads} threads, "
         f"tiers {', '.join(tiers)}; DRAM buffers {budget / GiB:.2f} GiB (LLC "
-        f"{llc_bytes() / (1 << 20):.0f} MiB)")
+        f"{llc_bytes() / (1 << 20):.0f} MiB), transparent huge pages: {huge}")
     t0 = time.time()
     big = nvfp4_bank(1, budget // 1152, 2048, 3)  # K = 2048 rows of 1152 B
     best = CpuMoeExecutor(threads, isa=tiers[0])
     ceil = Ceiling(best, big.data, threads)
     from freetoken import _cpu_moe
 
-    res = {"threads": threads, "tiers": tiers, "dram_bytes": big.nbytes(),
+    res = {"threads": threads, "tiers": tiers, "dram_bytes": big.nbytes(), "huge_pages": huge,
            "ceiling_gbps": ceil.start, "ceiling_prefetch": list(ceil.setting),
            "ceiling_1thread_gbps": ceiling(best, big.data, 1),
            "core_clock_ghz": _cpu_moe.core_clock_ghz(0.2), "figures": {}, "percent": {}}

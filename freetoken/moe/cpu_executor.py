@@ -15,6 +15,12 @@ pause instruction every N polls, default 1, 0 = none), FREETOKEN_CPU_MOE_PREFETC
 weights the dots prefetch into L1 ahead of their read cursor, default 4096, 0 = off) and
 FREETOKEN_CPU_MOE_PREFETCH_L2 (bytes ahead they also prefetch into L2 only, default 16384,
 0 = off); results do not depend on either.
+
+Host memory for the executor's weights: `huge_page_empty` allocates a tensor whose memory the
+kernel is asked (madvise MADV_HUGEPAGE) to back with 2 MiB transparent huge pages before it is
+first written, unless FREETOKEN_CPU_MOE_HUGEPAGES=0. Streaming experts from 4 KiB pages costs
+a TLB miss, and a page walk, every 4 KiB; on the GPU machine's host the DRAM dot read 7%
+faster from huge pages and the 2048x512 layer 15% (`benchmarks/ab_cpu_moe.py`, 5 rounds).
 """
 
 from __future__ import annotations
@@ -52,6 +58,45 @@ def _ext():
             "nanobind and scikit-build-core)"
         ) from e
     return _cpu_moe
+
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode: always, madvise, never, or unknown."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unknown"
+    mode = text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+    return mode or "unknown"
+
+
+def advise_huge_pages(t: torch.Tensor) -> int:
+    """Ask the kernel to back the whole 2 MiB pages inside t's memory with transparent huge
+    pages (takes effect for pages not yet touched). Returns the bytes advised: 0 when the
+    switch is off, on non-Linux hosts, or when t spans no whole 2 MiB page."""
+    if not env.cpu_moe_hugepages() or not hasattr(os, "sched_getaffinity"):
+        return 0
+    import ctypes
+
+    a, n = t.data_ptr(), t.numel() * t.element_size()
+    lo, hi = -(-a // _HUGE) * _HUGE, (a + n) // _HUGE * _HUGE
+    if hi <= lo:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return hi - lo if libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0 else 0
+
+
+def huge_page_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty on the CPU, advised onto transparent huge pages before anything touches it
+    (advise_huge_pages). For expert banks the executor streams: fill it with copy_()."""
+    t = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(t)
+    return t
 
 
 def physical_cores() -> int:
