@@ -57,7 +57,7 @@ def build(rev: str, work: Path) -> Path:
 
 
 def child(so_dir: str, threads: int | None, batches: list[int], budget: int, calls: int,
-          isa: str | None) -> dict:
+          isa: str | None, l2: bool = False) -> dict:
     """Measurements with the extension in so_dir (loaded as freetoken._cpu_moe)."""
     import importlib.util
 
@@ -92,7 +92,11 @@ def child(so_dir: str, threads: int | None, batches: list[int], budget: int, cal
         res["ceiling after"] = ceiling()
         return res
 
-    out = dram()
+    out = {}
+    if l2:  # the 1-core L2 dot: best and median of its short runs
+        best, median = cb.dot_l2(CpuMoeExecutor(1, isa=isa))
+        out["dot 1 core L2"], out["dot 1 core L2 median"] = best, median
+    out.update(dram())
     for shape in cb.SHAPES:
         lb = cb.LayerBench(shape, budget)
         for T in batches:
@@ -123,12 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default=None, help="a tier name (default: the best)")
     ap.add_argument("--budget-mib", type=int, default=2048, help="DRAM bytes per measurement")
     ap.add_argument("--calls", type=int, default=600, help="layer calls per run")
+    ap.add_argument("--l2", action="store_true", help="also the 1-core L2 dot (best, median)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     if args.child:
         print(json.dumps(child(args.child, args.threads, batches, args.budget_mib << 20,
-                               args.calls, args.isa)))
+                               args.calls, args.isa, args.l2)))
         return 0
     if len(args.variants) < 2:
         ap.error("give at least two variants")
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     passthrough = ["--batches", args.batches, "--budget-mib", str(args.budget_mib), "--calls",
                    str(args.calls)] + (["--threads", str(args.threads)] if args.threads else []) \
-        + (["--isa", args.isa] if args.isa else [])
+        + (["--isa", args.isa] if args.isa else []) + (["--l2"] if args.l2 else [])
     for r in range(args.rounds):
         for v in args.variants if r % 2 == 0 else args.variants[::-1]:
             env = dict(os.environ, **dict(e.split("=", 1) for e in v.split(":")[1:]))
