@@ -76,6 +76,19 @@ static inline __m256 decode_scales8(__m128i s) {
   return _mm256_cvtph_ps(h);
 }
 
+// The same for two groups at once (16 E4M3 bytes; group g in the low 128-bit lane, g + 1 in
+// the high one): one shuffle, shift and mask for both, then a convert each. Against two
+// decode_scales8 this is one vector instruction fewer per group of 64 code bytes, of ~23.
+static inline void decode_scales8x2(__m128i s, __m256& w0, __m256& w1) {
+  const __m256i idx = _mm256_setr_epi8(-128, 0, -128, 1, -128, 4, -128, 5, -128, 2, -128, 3, -128,
+                                       6, -128, 7, -128, 8, -128, 9, -128, 12, -128, 13, -128, 10,
+                                       -128, 11, -128, 14, -128, 15);
+  __m256i h = _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(s), idx), 1);
+  h = _mm256_and_si256(h, _mm256_set1_epi16(static_cast<short>(0xbfff)));
+  w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
 // One group of R rows x NT tokens: A, B are each row's two 32-byte loads, ws its 8 block scales;
 // the activation group of token t starts at a[t] + off. Each (row, token) has its own
 // accumulator chain, so a row's arithmetic does not depend on R or NT.
@@ -120,15 +133,31 @@ static inline void rows_dot(const uint8_t* wrow, int64_t rows, const uint8_t* ws
     for (int t = 0; t < NT; ++t) facc[r][t] = _mm256_setzero_ps();
   const int64_t ng = K / kQ8x8.group_k();
   __m256i A[R], B[R];
-  __m256 ws[R];
-  for (int64_t g = 0; g < ng; ++g) {
-    prefetch_rows_step(wrow, wsc, g * 64, 64, R, pre);
+  __m256 ws[R], ws1[R];
+  auto load = [&](int64_t g) {
     for (int r = 0; r < R; ++r) {
       const uint8_t* w = wrow + r * rows + g * 64;
       A[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
       B[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
-      ws[r] = decode_scales8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + r * srows + g * 8)));
     }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= ng; g += 2) {  // two groups a step: their scales decoded together
+    prefetch_rows_step(wrow, wsc, g * 64, 64, R, pre);
+    load(g);
+    for (int r = 0; r < R; ++r)
+      decode_scales8x2(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wsc + r * srows + g * 8)),
+                       ws[r], ws1[r]);
+    group_step<R, NT>(A, B, ws, a, g * kQ8x8.group_bytes(), facc);
+    prefetch_rows_step(wrow, wsc, (g + 1) * 64, 64, R, pre);
+    load(g + 1);
+    group_step<R, NT>(A, B, ws1, a, (g + 1) * kQ8x8.group_bytes(), facc);
+  }
+  if (g < ng) {
+    prefetch_rows_step(wrow, wsc, g * 64, 64, R, pre);
+    load(g);
+    for (int r = 0; r < R; ++r)
+      ws[r] = decode_scales8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wsc + r * srows + g * 8)));
     group_step<R, NT>(A, B, ws, a, g * kQ8x8.group_bytes(), facc);
   }
   const int left = static_cast<int>(K / 16 - 8 * ng);  // 0..7 blocks after the groups
