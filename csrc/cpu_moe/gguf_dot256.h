@@ -30,6 +30,21 @@ static inline float hsum8(__m256 v) {
 
 namespace gguf256 {
 
+// Independent accumulator chains a token: with one, every FMA of a row waits for the one
+// before it (4 cycles), which bounded these kernels (one core, L2, this box: Q8_0 8 B and Q4_K
+// 4 B a cycle against the 34 and 144 bytes each chain link covers). Four chains at one token,
+// two at two, one from three tokens on (the tokens' chains interleave). The chains are summed
+// in a fixed order, so a row's result still does not depend on how rows and tokens are grouped.
+template <int NT>
+constexpr int kChains = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+
+template <int NT>
+static inline float sum_chains(const __m256* c) {
+  __m256 s = c[0];
+  for (int i = 1; i < kChains<NT>; ++i) s = _mm256_add_ps(s, c[i]);
+  return hsum8(s);
+}
+
 static inline __m256 bcast(__m256 v, int i) {
   return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
 }
@@ -71,8 +86,12 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
                            int64_t os) {
   const int64_t nsb = K / 256;
   const __m256i m4 = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
-  __m256 acc[NT], accm[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps(), accm[t] = _mm256_setzero_ps();
+  constexpr int C = kChains<NT>;
+  __m256 acc[NT][C], accm[NT];
+  for (int t = 0; t < NT; ++t) {
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
+    accm[t] = _mm256_setzero_ps();
+  }
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 144;
     __m256 dsc, dmn;
@@ -89,13 +108,13 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
       const __m256 da = _mm256_loadu_ps(reinterpret_cast<const float*>(A + K) + b * 8);
       const __m256 f = _mm256_mul_ps(dsc, da);
       for (int s = 0; s < 8; ++s)
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(z, q[s], ld32(aq + 32 * s))),
-                                 bcast(f, s), acc[t]);
+        acc[t][s % C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Dp::dp(z, q[s], ld32(aq + 32 * s))),
+                                        bcast(f, s), acc[t][s % C]);
       const __m256i sa = ld32(A + K + K / 8 + b * 32);
       accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmn, da), _mm256_cvtepi32_ps(sa), accm[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]) - hsum8(accm[t]);
+  for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]) - hsum8(accm[t]);
 }
 
 template <class Dp, int NT>
@@ -104,8 +123,10 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   const int64_t nsb = K / 256;
   const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
   const __m256i c32 = _mm256_set1_epi8(32), z = _mm256_setzero_si256();
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  constexpr int C = kChains<NT>;
+  __m256 acc[NT][C];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 210;
     uint16_t dh;
@@ -136,13 +157,14 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
           const __m256i a = ld32(aq + 32 * v);
           const __m256i q = _mm256_sub_epi32(Dp::dp(z, V[v], a),
                                              Dp::dp(z, c32, a));
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
-                                   _mm256_mul_ps(F[v], _mm256_broadcast_ss(da + v)), acc[t]);
+          acc[t][v % C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
+                                          _mm256_mul_ps(F[v], _mm256_broadcast_ss(da + v)),
+                                          acc[t][v % C]);
         }
       }
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
+  for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]);
 }
 
 // Q8_0 and Q4_0: blocks of 32 values behind an fp16 d, one vector a block. Blk::kBytes is the
@@ -181,23 +203,33 @@ struct Q4_0Blk {
 template <class Dp, class Blk, int NT>
 static inline void block32_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
                                float* res, int64_t os) {
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* blk = row + b * Blk::kBytes;
-    uint16_t h;
-    std::memcpy(&h, blk, 2);
-    const float dw = _cvtsh_ss(h);
-    const typename Blk::W w = Blk::weights(blk);
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* A = acts[t];
-      const int32_t sum = reinterpret_cast<const int32_t*>(A + K + K / 8)[b];
-      const float f = dw * reinterpret_cast<const float*>(A + K)[b];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Blk::template dot<Dp>(w, A + b * 32, sum)),
-                               _mm256_set1_ps(f), acc[t]);
+  constexpr int C = kChains<NT>;
+  __m256 acc[NT][C];
+  for (int t = 0; t < NT; ++t)
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
+  const int64_t nb = K / 32;
+  for (int64_t b0 = 0; b0 < nb; b0 += C) {
+    // block b0 + c on chain c (c a constant once unrolled: an array indexed at run time would
+    // put the accumulators in memory)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const int64_t b = b0 + c;
+      if (b >= nb) break;
+      const uint8_t* blk = row + b * Blk::kBytes;
+      uint16_t h;
+      std::memcpy(&h, blk, 2);
+      const float dw = _cvtsh_ss(h);
+      const typename Blk::W w = Blk::weights(blk);
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* A = acts[t];
+        const int32_t sum = reinterpret_cast<const int32_t*>(A + K + K / 8)[b];
+        const float f = dw * reinterpret_cast<const float*>(A + K)[b];
+        acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Blk::template dot<Dp>(w, A + b * 32, sum)),
+                                    _mm256_set1_ps(f), acc[t][c]);
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = hsum8(acc[t]);
+  for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]);
 }
 template <class Dp, int NT>
 static inline void q8_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,

@@ -70,9 +70,12 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   const __m512i sel1 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
   const __m512i sel2 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
   const __m512i sel3 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-  __m512 acc[NT];
+  // Two accumulator chains a token (low-nibble and high-nibble sub-blocks): one chain of four
+  // dependent FMAs per super-block bound the kernel by their latency.
+  __m512 acc[NT], acc2[NT];
   __m256 accm[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
+  for (int t = 0; t < NT; ++t)
+    acc[t] = _mm512_setzero_ps(), acc2[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 144;
     __m256 dsc, dmn;
@@ -95,12 +98,12 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
       const __m512i z = _mm512_setzero_si512();
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l0, two(0, 64))),
                                _mm512_permutexvar_ps(sel0, f), acc[t]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h0, two(32, 96))),
-                               _mm512_permutexvar_ps(sel1, f), acc[t]);
+      acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h0, two(32, 96))),
+                                _mm512_permutexvar_ps(sel1, f), acc2[t]);
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l1, two(128, 192))),
                                _mm512_permutexvar_ps(sel2, f), acc[t]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h1, two(160, 224))),
-                               _mm512_permutexvar_ps(sel3, f), acc[t]);
+      acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h1, two(160, 224))),
+                                _mm512_permutexvar_ps(sel3, f), acc2[t]);
       accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmn, da),
                                 _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(as))),
                                 accm[t]);
@@ -109,7 +112,8 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   for (int t = 0; t < NT; ++t) {
     const __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm[t]), _mm256_extractf128_ps(accm[t], 1));
     const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    res[t * os] = _mm512_reduce_add_ps(acc[t]) - _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
+    res[t * os] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) -
+                  _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
   }
 }
 
@@ -144,8 +148,8 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
       _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
       _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
       _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[NT], acc2[NT];  // two chains a token (vectors 0, 2 and 1, 3): see q4k_row
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), acc2[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 210;
     uint16_t dh;
@@ -172,11 +176,12 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
       for (int v = 0; v < 4; ++v) {
         const __m512i a = _mm512_loadu_si512(aq + 64 * v);
         const __m512i q = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, V[v], a), _mm512_dpbusd_epi32(z, c32, a));
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(lane_idx[v], FS), acc[t]);
+        __m512& c = v % 2 ? acc2[t] : acc[t];
+        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(lane_idx[v], FS), c);
       }
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(acc[t]);
+  for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
 }
 
 struct Q6KRow {
