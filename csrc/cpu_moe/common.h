@@ -275,6 +275,24 @@ constexpr float kMinAmax = 127.0f / 3.4028234663852886e38f;
 // Q8_32 layout of the GGUF integer formats: int8 q[K]; fp32 d[K/32]; int32 sum[K/32].
 inline int64_t q8_32_bytes(int64_t K) { return K + (K / 32) * 8; }
 
+// The Q6_K activations of the SIMD tiers: Q8_32, then int32 sum16[K/16], the sums of each 16
+// int8 values (one Q6_K scale's run). A Q6_K weight is d * sc * (q - 32) with q the unsigned
+// 6-bit code: the dots take q as vpdpbusd's unsigned operand and the -32 from sum16 as one
+// term per super-block, d * sc * da * 32 * sum16, instead of a second vpdpbusd per vector.
+inline int64_t q8_32s16_bytes(int64_t K) { return q8_32_bytes(K) + (K / 16) * 4; }
+
+template <void (*Q8_32)(const float*, int64_t, uint8_t*)>
+void q6k_prep(const float* x, int64_t K, uint8_t* out) {
+  Q8_32(x, K, out);
+  const auto* q = reinterpret_cast<const int8_t*>(out);
+  auto* s16 = reinterpret_cast<int32_t*>(out + q8_32_bytes(K));
+  for (int64_t g = 0; g < K / 16; ++g) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i) s += q[16 * g + i];
+    s16[g] = s;
+  }
+}
+
 // ============================================================================
 // Scalar decoders
 // ============================================================================

@@ -12,7 +12,7 @@
 //   sums of the Q8_32 layout.
 // - Q6_K (256 values in two halves of 128: ql 64 bytes, qh 32 bytes, 16 int8 scales, fp16 d):
 //   value = d * sc[v / 16] * (q - 32); the 6-bit q is the unsigned operand, the -32 a second
-//   vpdpbusd of the constant 32 against the same activations.
+//   accumulator of d * sc * da * sum16 against the activation's sums per 16 (q6k_prep).
 // - Q8_0 (fp16 d, int8 q[32]): |w| is the unsigned operand, the activations take w's sign
 //   (they are in [-127, 127], so negating them cannot overflow; w = -128 gives 128 x -a).
 // - Q4_0 (fp16 d, 16 bytes: value j in the low nibble of byte j, value j + 16 in its high
@@ -122,11 +122,14 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
                            int64_t os) {
   const int64_t nsb = K / 256;
   const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
-  const __m256i c32 = _mm256_set1_epi8(32), z = _mm256_setzero_si256();
+  const __m256i z = _mm256_setzero_si256();
+  const __m256i da_pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
   constexpr int C = kChains<NT>;
-  __m256 acc[NT][C];
-  for (int t = 0; t < NT; ++t)
+  __m256 acc[NT][C], off[NT];  // off: sum over the scales' runs of d * sc * da * sum16
+  for (int t = 0; t < NT; ++t) {
     for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
+    off[t] = _mm256_setzero_ps();
+  }
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 210;
     uint16_t dh;
@@ -154,17 +157,20 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
         const uint8_t* aq = A + b * 256 + 128 * h;
         const float* da = reinterpret_cast<const float*>(A + K) + b * 8 + 4 * h;
         for (int v = 0; v < 4; ++v) {
-          const __m256i a = ld32(aq + 32 * v);
-          const __m256i q = _mm256_sub_epi32(Dp::dp(z, V[v], a),
-                                             Dp::dp(z, c32, a));
+          const __m256i q = Dp::dp(z, V[v], ld32(aq + 32 * v));  // the codes, offset 32
           acc[t][v % C] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q),
                                           _mm256_mul_ps(F[v], _mm256_broadcast_ss(da + v)),
                                           acc[t][v % C]);
         }
+        // the half's 8 runs of 16: S[i] * da[i / 2] * sum16[i]
+        const __m256 dap = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_loadu_ps(da)), da_pairs);
+        const __m256i s16 = ld32(A + q8_32_bytes(K) + 4 * (b * 16 + 8 * h));
+        off[t] = _mm256_fmadd_ps(_mm256_mul_ps(S, dap), _mm256_cvtepi32_ps(s16), off[t]);
       }
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]);
+  for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]) - 32.0f * hsum8(off[t]);
 }
 
 // Q8_0 and Q4_0: blocks of 32 values behind an fp16 d, one vector a block. Blk::kBytes is the

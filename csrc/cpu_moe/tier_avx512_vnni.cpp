@@ -132,7 +132,7 @@ struct Q4KRow {
 // 0-31 and 32-63, high nibbles 64-95 and 96-127), qh (32 bytes a half: bits 0-1, 2-3, 4-5, 6-7
 // complete those four runs to 6 bits), 16 int8 scales (one per 16 values), fp16 d.
 // Value = d * sc[v / 16] * (q - 32). The 6-bit q is vpdpbusd's unsigned operand; the -32
-// comes off as a second vpdpbusd of the constant 32 against the same activations. Lane j of a
+// comes off once per super-block from the activation's sums per 16 values (q6k_prep). Lane j of a
 // 64-value vector holds values 4j .. 4j + 3, so it belongs to one scale (16 values) and one
 // activation scale (32): one FMA with d * sc * da accumulates it.
 template <int NT>
@@ -140,7 +140,7 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
                            int64_t os) {
   const int64_t nsb = K / 256;
   const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-  const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
+  const __m512i z = _mm512_setzero_si512();
   // FS[i] = d * sc[i] * da[i / 2]; the lanes of vector (half h, v) take FS[8h + 4v + j / 4]
   const __m512i da_idx = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i lane_idx[4] = {
@@ -148,8 +148,10 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
       _mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
       _mm512_setr_epi32(8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11),
       _mm512_setr_epi32(12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15)};
-  __m512 acc[NT], acc2[NT];  // two chains a token (vectors 0, 2 and 1, 3): see q4k_row
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps(), acc2[t] = _mm512_setzero_ps();
+  // two chains a token (vectors 0, 2 and 1, 3): see q4k_row; off: the -32 (q6k_prep)
+  __m512 acc[NT], acc2[NT], off[NT];
+  for (int t = 0; t < NT; ++t)
+    acc[t] = _mm512_setzero_ps(), acc2[t] = _mm512_setzero_ps(), off[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nsb; ++b) {
     const uint8_t* blk = row + b * 210;
     uint16_t dh;
@@ -174,14 +176,18 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
           _mm256_loadu_ps(reinterpret_cast<const float*>(A + K) + b * 8));
       const __m512 FS = _mm512_mul_ps(S, _mm512_permutexvar_ps(da_idx, da));
       for (int v = 0; v < 4; ++v) {
-        const __m512i a = _mm512_loadu_si512(aq + 64 * v);
-        const __m512i q = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, V[v], a), _mm512_dpbusd_epi32(z, c32, a));
+        const __m512i q = _mm512_dpbusd_epi32(z, V[v], _mm512_loadu_si512(aq + 64 * v));
         __m512& c = v % 2 ? acc2[t] : acc[t];
         c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_permutexvar_ps(lane_idx[v], FS), c);
       }
+      // FS[i] * sum16[i] over the super-block's 16 runs: 32 x this is the codes' offset
+      const __m512i s16 = _mm512_loadu_si512(A + q8_32_bytes(K) + 64 * b);
+      off[t] = _mm512_fmadd_ps(FS, _mm512_cvtepi32_ps(s16), off[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t]));
+  for (int t = 0; t < NT; ++t)
+    res[t * os] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) -
+                  32.0f * _mm512_reduce_add_ps(off[t]);
 }
 
 struct Q6KRow {

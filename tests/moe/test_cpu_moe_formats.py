@@ -138,6 +138,24 @@ def test_q8_32_activation_quant_matches_the_rule(tier: str, K: int):
         assert not q[:32].any() and d[0] == 0 and s[0] == 0  # the zero / sub-3.7e-37 block
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_q6k_activation_adds_sums_per_16(tier: str):
+    """The SIMD tiers' Q6_K activations: the Q8_32 bytes of every GGUF format, then int32 sums
+    of each 16 int8 values (the Q6_K dots take the codes' -32 from them); the scalar tier's are
+    Q8_32 alone."""
+    K = 768
+    x = special_activation(torch.Generator().manual_seed(2), K)
+    ex = CpuMoeExecutor(1, isa=tier)
+    q8 = ex.prepared_activation(x, "Q8_0").numpy()
+    q6 = ex.prepared_activation(x, "Q6_K").numpy()
+    assert np.array_equal(q6[: q8.size], q8)
+    if tier == "scalar":
+        assert q6.size == q8.size
+        return
+    s16 = q6[q8.size:].view(np.int32)
+    assert np.array_equal(s16, q8[:K].view(np.int8).astype(np.int32).reshape(-1, 16).sum(1))
+
+
 def test_mixed_formats_layer_thread_invariant():
     """A Q4_K gate/up bank with a Q6_K down bank (a Q4_K_M file): 1 vs 3 threads identical."""
     from freetoken.moe.reference import moe_reference
