@@ -19,24 +19,30 @@ from cpu_moe_cases import random_nvfp4
 
 from freetoken.moe.cpu_executor import CpuMoeExecutor
 
+
+def case():
+    """A small layer's forward arguments: (x, ids, route, w13, w2, scales)."""
+    gen = torch.Generator().manual_seed(0)
+    E, H, inter, T, k = 8, 256, 128, 2, 4
+    w13, w2 = random_nvfp4(gen, E, 2 * inter, H), random_nvfp4(gen, E, H, inter)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    return x, ids, torch.full((T, k), 1.0 / k), w13, w2, torch.ones(E, 4)
+
+
 CHILD = """
 import sys, time, torch
 sys.path.insert(0, {tests!r})
-from cpu_moe_cases import random_nvfp4
+from test_cpu_moe_pool import case
 from freetoken.moe.cpu_executor import CpuMoeExecutor
-gen = torch.Generator().manual_seed(0)
-E, H, I, T, k = 8, 256, 128, 2, 4
-w13, w2 = random_nvfp4(gen, E, 2 * I, H), random_nvfp4(gen, E, H, I)
-x = torch.randn(T, H, generator=gen)
-ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-route = torch.full((T, k), 1.0 / k)
+args = case()
 outs = []
 for threads in (3, 4):
     ex = CpuMoeExecutor(threads)
     for i in range(40):
         if i % 8 == 0:
             time.sleep(0.005)  # the workers are asleep by now
-        outs.append(ex.forward(x, ids, route, w13, w2, torch.ones(E, 4)))
+        outs.append(ex.forward(*args))
     del ex  # the destructor wakes and joins its sleeping workers
 torch.save(torch.stack(outs), sys.argv[1])
 """
@@ -48,13 +54,7 @@ def test_sleeping_workers_wake_for_every_call(tmp_path: Path):
     env = dict(os.environ, FREETOKEN_CPU_MOE_SPIN_US="0")
     subprocess.run([sys.executable, "-c", CHILD.format(tests=tests), str(out)], env=env,
                    check=True, timeout=60)
-    gen = torch.Generator().manual_seed(0)
-    E, H, inter, T, k = 8, 256, 128, 2, 4
-    w13, w2 = random_nvfp4(gen, E, 2 * inter, H), random_nvfp4(gen, E, H, inter)
-    x = torch.randn(T, H, generator=gen)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    route = torch.full((T, k), 1.0 / k)
-    want = CpuMoeExecutor(2).forward(x, ids, route, w13, w2, torch.ones(E, 4))
+    want = CpuMoeExecutor(2).forward(*case())
     got = torch.load(out)
     assert got.shape[0] == 80
     for i in range(got.shape[0]):
