@@ -263,5 +263,22 @@ FT_ROW(Q8_0Row, q8_0_row)
 FT_ROW(Q4_0Row, q4_0_row)
 #undef FT_ROW
 
+// A tier's table entries for the GGUF formats: the activations by its Q8_32 quant P (Q6_K's
+// with the sums per 16 its dots take, q6k_prep) ...
+template <void (*P)(const float*, int64_t, uint8_t*)>
+static void set_preps(Kernels& t) {
+  for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K}) t.fmt[static_cast<int>(f)].prep = P;
+  t.fmt[static_cast<int>(Fmt::Q6_K)].act_bytes = q8_32s16_bytes;
+  t.fmt[static_cast<int>(Fmt::Q6_K)].prep = q6k_prep<P>;
+}
+
+// ... and the four 256-bit dots with Dp.
+template <class Dp>
+static void set_dots(Kernels& t) {
+  t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<Q4KRow<Dp>>;
+  t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<Q6KRow<Dp>>;
+  t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<Q8_0Row<Dp>>;
+  t.fmt[static_cast<int>(Fmt::Q4_0)].dot = dot_rows_by_token_groups<Q4_0Row<Dp>>;
+}
 
 }  // namespace gguf256

@@ -128,14 +128,8 @@ const Kernels& kernels_avx2() {
     t.stream_read = avx2_tier::stream_read_avx2;
     t.glu = avx2_tier::glu_simd<avx2_tier::F8>;
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx2_tier::Nvfp4Row<avx2_tier::RowF32>>;
-    for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
-      t.fmt[static_cast<int>(f)].prep = avx2_tier::q8_32_prep_avx2;
-    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx2_tier::gguf256::Q4KRow<avx2_tier::MaddDp>>;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].act_bytes = q8_32s16_bytes;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].prep = q6k_prep<avx2_tier::q8_32_prep_avx2>;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx2_tier::gguf256::Q6KRow<avx2_tier::MaddDp>>;
-    t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<avx2_tier::gguf256::Q8_0Row<avx2_tier::MaddDp>>;
-    t.fmt[static_cast<int>(Fmt::Q4_0)].dot = dot_rows_by_token_groups<avx2_tier::gguf256::Q4_0Row<avx2_tier::MaddDp>>;
+    avx2_tier::gguf256::set_preps<avx2_tier::q8_32_prep_avx2>(t);
+    avx2_tier::gguf256::set_dots<avx2_tier::MaddDp>(t);
     return t;
   }();
   return k;

@@ -226,10 +226,7 @@ const Kernels& kernels_avx2_vnni() {
     t.name = "avx2_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =
         FormatKernels{nvfp4_q8x8_bytes, avx2_vnni_tier::prep_nvfp4_q8, avx2_vnni_tier::dot_nvfp4};
-    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q4KRow<avx2_vnni_tier::VexDp>>;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q6KRow<avx2_vnni_tier::VexDp>>;
-    t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q8_0Row<avx2_vnni_tier::VexDp>>;
-    t.fmt[static_cast<int>(Fmt::Q4_0)].dot = dot_rows_by_token_groups<avx2_vnni_tier::gguf256::Q4_0Row<avx2_vnni_tier::VexDp>>;
+    avx2_vnni_tier::gguf256::set_dots<avx2_vnni_tier::VexDp>(t);
     return t;
   }();
   return k;

@@ -99,14 +99,8 @@ const Kernels& kernels_avx512() {
     t.stream_read = avx512_tier::stream_read_avx512;
     t.glu = avx512_tier::glu_simd<avx512_tier::F16>;
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx512_tier::Nvfp4Row<avx512_tier::RowF32>>;
-    for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q6_K})
-      t.fmt[static_cast<int>(f)].prep = avx512_tier::q8_32_prep_avx512;
-    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q4KRow<avx512_tier::MaddDp>>;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].act_bytes = q8_32s16_bytes;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].prep = q6k_prep<avx512_tier::q8_32_prep_avx512>;
-    t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q6KRow<avx512_tier::MaddDp>>;
-    t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q8_0Row<avx512_tier::MaddDp>>;
-    t.fmt[static_cast<int>(Fmt::Q4_0)].dot = dot_rows_by_token_groups<avx512_tier::gguf256::Q4_0Row<avx512_tier::MaddDp>>;
+    avx512_tier::gguf256::set_preps<avx512_tier::q8_32_prep_avx512>(t);
+    avx512_tier::gguf256::set_dots<avx512_tier::MaddDp>(t);
     return t;
   }();
   return k;
