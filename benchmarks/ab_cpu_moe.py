@@ -107,14 +107,14 @@ def child(so_dir: str, threads: int | None, batches: list[int], budget: int, cal
                 best = max(best, nbytes / lb.time_forward(ex, xs, o, ids, route) / 1e9)
             out[f"{shape.label} bs={T}"] = best
         del lb
-    # A layer whose experts stay in cache: its speed is set by the fixed cost of a call
-    # (routing, waking the pool, the phases' hand-offs, the end of the run).
-    lb = cb.LayerBench(cb.LayerShape("256x64 top8", 256, 64, 8, 16, "fixed cost"), 1 << 20)
-    xs, o = torch.randn(1, 256), torch.empty(1, 256)
+    # the layer in cache: the fixed cost of a call
+    lb = cb.LayerBench(cb.FIXED_COST_SHAPE, cb.FIXED_COST_BUDGET)
+    H = cb.FIXED_COST_SHAPE.hidden
+    xs, o = torch.randn(1, H), torch.empty(1, H)
     ids, route, nbytes = lb.routing(calls * 4, 1, 0)
     lb.time_forward(ex, xs, o, ids, route)
-    out["256x64 top8 in cache bs=1"] = max(nbytes / lb.time_forward(ex, xs, o, ids, route) / 1e9
-                                           for _ in range(3))
+    out[f"{cb.FIXED_COST_SHAPE.label} in cache bs=1"] = max(
+        nbytes / lb.time_forward(ex, xs, o, ids, route) / 1e9 for _ in range(3))
     return out
 
 

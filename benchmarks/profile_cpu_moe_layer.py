@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     shapes = {s.label.split()[0] + ("-" + s.label.split()[-1] if s.formats[0] != "nvfp4" else ""): s
               for s in cpu_bench.SHAPES}
-    shapes["256x64"] = cpu_bench.LayerShape("256x64 top8", 256, 64, 8, 16, "fixed cost")
+    shapes["256x64"] = cpu_bench.FIXED_COST_SHAPE
     if args.shape not in shapes:
         ap.error(f"--shape must be one of {', '.join(shapes)}")
     ex = CpuMoeExecutor(args.threads or default_threads(), isa=args.isa)
-    budget = 1 << 20 if args.shape == "256x64" else cpu_bench.dram_budget()
+    budget = cpu_bench.FIXED_COST_BUDGET if args.shape == "256x64" else cpu_bench.dram_budget()
     lb = cpu_bench.LayerBench(shapes[args.shape], budget)
     T = args.batch
     x, out = torch.randn(T, lb.shape.hidden), torch.empty(T, lb.shape.hidden)

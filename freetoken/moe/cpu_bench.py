@@ -64,6 +64,11 @@ SHAPES = (
     LayerShape("2048x512 top8 Q4_K_M", 2048, 512, 8, 256, "Qwen3.6-35B-A3B, GGUF Q4_K_M",
                ("Q4_K", "Q6_K")),
 )
+# A layer whose experts stay in cache (a 1 MiB bank): its speed is set by the executor's fixed
+# cost per call (routing, waking the pool, the phases' hand-offs, the end of the run). Used by
+# benchmarks/profile_cpu_moe_layer.py and ab_cpu_moe.py.
+FIXED_COST_SHAPE = LayerShape("256x64 top8", 256, 64, 8, 16, "fixed cost")
+FIXED_COST_BUDGET = 1 << 20
 BATCHES = (1, 2, 4, 8)
 GiB = 1 << 30
 MIN_SECONDS = 0.25  # each layer run: repeat until at least this long
