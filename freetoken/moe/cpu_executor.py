@@ -26,6 +26,7 @@ faster from huge pages and the 2048x512 layer 15% (`benchmarks/ab_cpu_moe.py`, 5
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -78,7 +79,7 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     """Ask the kernel to back the whole 2 MiB pages inside t's memory with transparent huge
     pages (takes effect for pages not yet touched). Returns the bytes advised: 0 when the
     switch is off, on non-Linux hosts, or when t spans no whole 2 MiB page."""
-    if not env.cpu_moe_hugepages() or not hasattr(os, "sched_getaffinity"):
+    if not env.cpu_moe_hugepages() or not sys.platform.startswith("linux"):  # MADV_HUGEPAGE
         return 0
     import ctypes
 
