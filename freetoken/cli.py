@@ -13,11 +13,12 @@ import importlib
 import sys
 import typing
 
-from freetoken.config import CACHE_TYPES, DTYPES, MOE_BACKENDS, EngineConfig
+from freetoken.config import CACHE_TYPES, DTYPES, DUMMY_FORMATS, MOE_BACKENDS, EngineConfig
 
 COMMANDS = ["inspect", "generate", "chat", "serve", "bench"]
 
-_CHOICES = {"dtype": DTYPES, "cache_type": CACHE_TYPES, "moe_backend": MOE_BACKENDS}
+_CHOICES = {"dtype": DTYPES, "cache_type": CACHE_TYPES, "moe_backend": MOE_BACKENDS,
+            "dummy_format": DUMMY_FORMATS}
 _HELP = {
     "model": "GGUF file, HF directory or packaged model name (default: SmolLM2-135M-Instruct)",
     "dtype": "activation dtype (auto: float32 on CPU, bfloat16 on GPU)",
@@ -27,6 +28,11 @@ _HELP = {
     "kv_cache_mb": "KV cache size in MiB when --num-pages is not given",
     "moe_backend": "where experts run: fused, offload, hybrid or cpu",
     "moe_cpu_threads": "CPU MoE executor threads (default: physical cores minus one)",
+    "dummy_weights": "random weights made on the device; --model may name a built-in shape",
+    "dummy_format": "weight format of --dummy-weights models",
+    "dummy_layers": "shorten a --dummy-weights model to N layers",
+    "cuda_graph_max_bs": "largest decode batch run as a CUDA graph (default: max running)",
+    "disable_cuda_graph": "run decode eagerly, without CUDA graphs",
 }
 
 

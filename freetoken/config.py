@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
 MOE_BACKENDS = ("fused", "offload", "hybrid", "cpu")
+DUMMY_FORMATS = ("bf16", "q4_k", "q8_0", "nvfp4", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -31,13 +32,18 @@ class EngineConfig:
     moe_cache_rate: float | None = None
     moe_hybrid_max_fetch: int | None = None
     moe_cpu_threads: int | None = None  # None = physical cores minus one
-    dummy_weights: bool = False
+    dummy_weights: bool = False  # random weights made on the device (performance work)
+    dummy_format: str = "bf16"  # weight format of --dummy-weights models
+    dummy_layers: int | None = None  # shorten a --dummy-weights model to N layers
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured; None = max running
+    disable_cuda_graph: bool = False
     show_progress: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("cache_type", self.cache_type, CACHE_TYPES)
         _check_choice("moe_backend", self.moe_backend, MOE_BACKENDS)
+        _check_choice("dummy_format", self.dummy_format, DUMMY_FORMATS)
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", "kv_cache_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
