@@ -1,9 +1,11 @@
 """Host weights on transparent huge pages (cpu_executor.huge_page_empty): the advice covers
-the whole 2 MiB pages of the tensor, is skipped with FREETOKEN_CPU_MOE_HUGEPAGES=0, and where
-the kernel grants huge pages on advice the memory really is on them once written."""
+the whole 2 MiB pages of the tensor (the kernel records it in the mapping's VmFlags) and is
+skipped with FREETOKEN_CPU_MOE_HUGEPAGES=0. Whether free huge pages then back the memory is the
+machine's state, not the code's, and is not asserted."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +17,18 @@ from freetoken.moe.cpu_executor import advise_huge_pages, huge_page_empty, thp_m
 MiB = 1 << 20
 
 
-def anon_huge_kib(addr: int, n: int) -> int:
-    """AnonHugePages of the mappings that overlap [addr, addr + n) (/proc/self/smaps; the
-    advice splits the tensor's mapping at its 2 MiB boundaries)."""
-    total, cur = 0, False
+def mappings(addr: int, n: int) -> list[tuple[int, int, set[str]]]:
+    """(start, end, VmFlags) of the mappings that overlap [addr, addr + n) (/proc/self/smaps;
+    the advice splits the tensor's mapping at its 2 MiB boundaries)."""
+    out: list[tuple[int, int, set[str]]] = []
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(v, 16) for v in head.split("-"))
             cur = lo < addr + n and addr < hi
-        elif cur and line.startswith("AnonHugePages:"):
-            total += int(line.split()[1])
-    return total
+        elif cur and line.startswith("VmFlags:"):
+            out.append((lo, hi, set(line.split()[1:])))
+    return out
 
 
 def test_advice_covers_the_whole_huge_pages_inside():
@@ -42,14 +44,25 @@ def test_switch_off(monkeypatch):
     assert advise_huge_pages(torch.empty(9 * MiB, dtype=torch.uint8)) == 0
 
 
-@pytest.mark.skipif(thp_mode() not in ("always", "madvise"), reason="no transparent huge pages")
-def test_written_memory_is_on_huge_pages():
-    t = huge_page_empty((64 * MiB,), torch.uint8)
-    t.fill_(1)
-    got = anon_huge_kib(t.data_ptr(), t.numel())
-    if got == 0:  # THP on, but none free (fragmented memory): nothing to check here
-        pytest.skip("the kernel had no free huge pages")
-    assert got >= 32 * 1024, got
+@pytest.mark.skipif(not sys.platform.startswith("linux") or thp_mode() not in (
+    "always", "madvise"), reason="the kernel has transparent huge pages off")
+def test_advice_marks_exactly_the_whole_huge_pages():
+    """What the code controls: the kernel recorded the advice (VmFlags `hg`) for every whole
+    2 MiB page inside the tensor and for nothing else of it. Whether it then *has* free huge
+    pages to back them depends on how fragmented memory is at that moment, which no test can
+    count on (a fresh clone failed here when only 18 of 64 MiB got huge pages)."""
+    t = huge_page_empty((64 * MiB + 12345,), torch.uint8)
+    a, n = t.data_ptr(), t.numel()
+    lo, hi = -(-a // (2 * MiB)) * 2 * MiB, (a + n) // (2 * MiB) * 2 * MiB
+    maps = mappings(a, n)
+    advised = [(s, e) for s, e, flags in maps if "hg" in flags]
+    assert advised, f"no mapping of the tensor carries the huge page advice: {maps}"
+    # Every byte of [lo, hi) lies in an advised mapping, and no advised mapping reaches into
+    # the tensor's partial pages before lo or after hi.
+    covered = sum(min(e, hi) - max(s, lo) for s, e in advised if s < hi and lo < e)
+    assert covered == hi - lo, (covered, hi - lo)
+    assert all(lo <= s or e <= a for s, e in advised), "advice before the first whole page"
+    assert all(e <= hi or a + n <= s for s, e in advised), "advice after the last whole page"
 
 
 def test_bench_banks_use_it(monkeypatch):
