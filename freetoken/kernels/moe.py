@@ -5,7 +5,13 @@ For each token t and each of its k (expert e, routing weight r):
 of `freetoken.moe.reference.moe_reference` (DESIGN.md, seed 000). Tokens are grouped by
 expert, each expert's rows are dequantized once per call, products accumulate in fp32 and the
 second-level scales multiply results before the GLU (gate, up) and before the routing weight
-(down). A GPU kernel will slot in behind this function with the same checks.
+(down).
+
+Slot indirection: with `expert_map` (int32 `[E]`) the bank is a pool of slots (`w13`
+`[S, 2I, H]`, `w2` `[S, H, I]`, `scales` `[S, 4]`) and expert e lives in slot `expert_map[e]`;
+a route whose expert maps to -1 contributes nothing (another path, the CPU, computes it).
+CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.moe`), which check the same
+shapes but never read device values back to the host (the step may be a CUDA graph).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from freetoken.moe.banks import ExpertBank, expert_weight
 from freetoken.moe.reference import glu
 
 
-def _check(x: torch.Tensor, bank: ExpertBank, ids: torch.Tensor, w: torch.Tensor) -> None:
+def _check_shapes(x: torch.Tensor, bank: ExpertBank, ids: torch.Tensor, w: torch.Tensor,
+                  expert_map: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.shape[1] != bank.hidden:
         raise ValueError(f"fused_moe: x must be [T, {bank.hidden}], got {list(x.shape)}")
     if ids.shape != w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
@@ -26,22 +33,64 @@ def _check(x: torch.Tensor, bank: ExpertBank, ids: torch.Tensor, w: torch.Tensor
     if bank.scales.shape != (bank.num_experts, 4) or bank.scales.dtype != torch.float32:
         raise ValueError(f"fused_moe: scales must be fp32 [{bank.num_experts}, 4], got "
                          f"{bank.scales.dtype} {list(bank.scales.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= bank.num_experts):
-        raise ValueError(f"fused_moe: expert id out of range [0, {bank.num_experts})")
+    if expert_map is None:
+        return
+    if expert_map.dim() != 1 or expert_map.dtype != torch.int32:
+        raise ValueError(f"fused_moe: expert_map must be int32 [E], got {expert_map.dtype} "
+                         f"{list(expert_map.shape)}")
+    if expert_map.device != x.device:
+        raise ValueError(f"fused_moe: expert_map is on {expert_map.device}, x on {x.device}")
+
+
+def _check_values(bank: ExpertBank, ids: torch.Tensor, expert_map: torch.Tensor | None) -> None:
+    """Range checks that read device values: CPU path only (a host sync on CUDA)."""
+    experts = bank.num_experts if expert_map is None else expert_map.numel()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
+        raise ValueError(f"fused_moe: expert id out of range [0, {experts})")
+    if expert_map is not None and expert_map.numel() and (
+            int(expert_map.min()) < -1 or int(expert_map.max()) >= bank.num_experts):
+        raise ValueError(f"fused_moe: expert_map holds a slot outside [-1, {bank.num_experts})")
+
+
+def _check(x: torch.Tensor, bank: ExpertBank, ids: torch.Tensor, w: torch.Tensor,
+           expert_map: torch.Tensor | None = None) -> None:
+    _check_shapes(x, bank, ids, w, expert_map)
+    if not x.is_cuda:
+        _check_values(bank, ids, expert_map)
 
 
 def fused_moe(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """x [T, H], topk_ids int [T, k], topk_weights [T, k] -> y [T, H] in x's dtype."""
-    _check(x, bank, topk_ids, topk_weights)
+              topk_weights: torch.Tensor, activation: str = "silu",
+              expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], topk_ids int [T, k], topk_weights [T, k] -> y [T, H] in x's dtype.
+
+    `expert_map` int32 [E] (on x's device): expert -> slot of the bank, -1 = not here.
+    """
+    _check(x, bank, topk_ids, topk_weights, expert_map)
+    if x.is_cuda:
+        from freetoken.kernels.triton.moe import fused_moe_triton  # lazy: needs triton
+
+        return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
+    return _fused_moe_torch(x, bank, topk_ids, topk_weights, activation, expert_map)
+
+
+def _fused_moe_torch(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, activation: str,
+                     expert_map: torch.Tensor | None) -> torch.Tensor:
     xf = x.float()
     out = torch.zeros(x.shape[0], bank.hidden, dtype=torch.float32, device=x.device)
     inter = bank.intermediate
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # routes grouped by expert
-    counts = torch.bincount(flat, minlength=bank.num_experts).tolist()
-    tokens = order // topk_ids.shape[1]  # [T*k] token of each sorted route
-    route = topk_weights.reshape(-1)[order].float()
+    k = topk_ids.shape[1]
+    slots = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        slots = expert_map.long()[slots]  # [T*k] slot of each route, -1 = computed elsewhere
+    keep = torch.nonzero(slots >= 0).reshape(-1)  # route indices (t * k + j) handled here
+    slots = slots[keep]
+    order = torch.argsort(slots, stable=True)  # routes grouped by slot
+    counts = torch.bincount(slots, minlength=bank.num_experts).tolist()
+    routes = keep[order]
+    tokens = routes // k  # [n] token of each sorted route
+    route = topk_weights.reshape(-1)[routes].float()
     s = bank.scales
     start = 0
     for e, n in enumerate(counts):
