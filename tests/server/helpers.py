@@ -16,9 +16,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
+    """A port that was free a moment ago. NOTE: another process may take it before the server
+    binds it (our own clients' outgoing connections draw from the same range), so ServeProcess
+    retries on 'address in use' and ThreadServer binds its socket itself."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bound_socket() -> socket.socket:
+    """A listening-ready socket on a port the kernel picked (no window for anyone to take it)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def wait_healthy(base: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
@@ -38,23 +49,38 @@ def wait_healthy(base: str, timeout: float, proc: subprocess.Popen | None = None
 class ServeProcess:
     """`ft serve ARGS` on a free port; logs go to a file shown when a test fails."""
 
+    ATTEMPTS = 3  # new ports after 'address already in use' (see free_port)
+
     def __init__(self, *args: str, log_dir: Path) -> None:
+        self.args, self.log_dir = args, log_dir
+        self._start()
+
+    def _start(self) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"serve-{self.port}.log"
+        self.log = self.log_dir / f"serve-{self.port}.log"
         cmd = [sys.executable, "-m", "freetoken.cli", "serve", "--port", str(self.port),
-               "--no-show-progress", *args]
+               "--no-show-progress", *self.args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
                                      cwd=REPO, env=env)
 
+    def _port_taken(self) -> bool:
+        return self.proc.poll() is not None and "address already in use" in self.log.read_text(
+            errors="replace").lower()
+
     def wait(self, timeout: float = 300) -> ServeProcess:
-        try:
-            wait_healthy(self.base, timeout, self.proc)
-        except Exception:
-            sys.stderr.write(self.log.read_text(errors="replace")[-4000:])
-            self.stop()
-            raise
+        for attempt in range(self.ATTEMPTS):
+            try:
+                wait_healthy(self.base, timeout, self.proc)
+                return self
+            except Exception:
+                if self._port_taken() and attempt + 1 < self.ATTEMPTS:
+                    self._start()
+                    continue
+                sys.stderr.write(self.log.read_text(errors="replace")[-4000:])
+                self.stop()
+                raise
         return self
 
     def alive(self) -> bool:
@@ -76,11 +102,13 @@ class ThreadServer:
     def __init__(self, app, wait: bool = True) -> None:
         import uvicorn
 
-        self.port = free_port()
+        self.sock = bound_socket()
+        self.port = self.sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
         self.thread.start()
         if wait:
             wait_healthy(self.base, 60)
@@ -88,6 +116,7 @@ class ThreadServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+        self.sock.close()
 
 
 def metric(base: str, name: str, default: float | None = None, **labels: str) -> float:
