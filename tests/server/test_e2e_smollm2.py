@@ -170,7 +170,7 @@ def test_50_disconnects_leave_nothing_behind(server, oai):
     finished = {reason: metric(server.base, "freetoken_request_finished_total", 0, reason=reason)
                 for reason in ("length", "stop", "abort")}
     assert asyncio.run(run()) == 50
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # an event, bounded generously for a busy machine
     while time.monotonic() < deadline and metric(server.base, "freetoken_num_requests_running"):
         time.sleep(0.2)
     assert metric(server.base, "freetoken_num_requests_running") == 0
