@@ -23,6 +23,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    """Every test starts from the same torch RNG state, so a test that draws unseeded random
+    data sees the same data whether it runs alone, in a subset or after any other test."""
+    import torch
+
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer_dir() -> Path:
     """SmolLM2's real tokenizer as an HF directory (for small random models)."""
