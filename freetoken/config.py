@@ -64,6 +64,12 @@ class ServerConfig:
     tool_call_parser: str | None = None
     max_in_flight_requests: int = 256  # HTTP generation requests held at once; more get 503
     max_body_mb: int = 8  # larger request bodies get 413
+    # What one request may ask for (more is a 400 naming the field): see serving.RequestLimits.
+    max_n: int = 8  # choices per request (`n`); OpenAI allows 128
+    max_logprobs: int = 20  # logprobs / top_logprobs alternatives per token
+    max_stop: int = 16  # stop strings per request
+    max_tools: int = 128  # tool definitions per request
+    max_stored_responses: int = 256  # /v1/responses kept for GET and previous_response_id
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

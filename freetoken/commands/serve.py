@@ -63,10 +63,14 @@ def make_app(cfg: ServerConfig, engine_factory=None):
     """The app with its engine thread (not started); engine_factory defaults to `Engine`."""
     from freetoken.server.app import build_app
     from freetoken.server.async_engine import AsyncEngine
-    from freetoken.server.serving import ServerState
+    from freetoken.server.responses_store import ResponseStore
+    from freetoken.server.serving import RequestLimits, ServerState
 
+    limits = RequestLimits(max_n=cfg.max_n, max_logprobs=cfg.max_logprobs,
+                           max_stop=cfg.max_stop, max_tools=cfg.max_tools)
     state = ServerState(None, cfg.served_model_name or served_name(cfg.engine.model),
-                        created=int(time.time()))
+                        created=int(time.time()), limits=limits,
+                        responses=ResponseStore(cfg.max_stored_responses))
 
     def load():
         if engine_factory is not None:

@@ -27,6 +27,7 @@ from freetoken.server.protocol_anthropic import (
 from freetoken.server.serving import (
     OutputParser,
     ServerState,
+    check_tools_count,
     forced_tool_prefix,
     make_params,
     new_id,
@@ -72,6 +73,7 @@ def template_tools(req) -> list[dict] | None:
 
 
 async def _render(state: ServerState, req) -> tuple[str, list[int]]:
+    check_tools_count(state.limits, req.tools)  # before rendering them: that is the cost
     kwargs = {}
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.type != "disabled"
@@ -100,6 +102,7 @@ async def messages(request: Request):
         prefix = forced_tool_prefix(state, req.tool_choice.name)
         ids = ids + state.tokenizer.encode(prefix, add_special_tokens=False)
     params = make_params(
+        state.limits, stop_param="stop_sequences",
         max_tokens=resolve_max_tokens(state, len(ids), req.max_tokens),
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stop=req.stop_sequences,
     )

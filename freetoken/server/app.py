@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from freetoken.server import anthropic_routes, openai_routes
+from freetoken.server import anthropic_routes, openai_routes, responses_routes
 from freetoken.server.errors import APIError, error_response, format_validation_error
 from freetoken.server.metrics import CONTENT_TYPE
 from freetoken.server.openai_chat import template_message
@@ -26,7 +26,7 @@ from freetoken.server.serving import ServerState, encode_text, parse_body, rende
 
 log = logging.getLogger("freetoken.server")
 _KNOWN_ROUTES = {
-    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages",
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/responses",
     "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize",
 }
 
@@ -111,6 +111,7 @@ def build_app(state: ServerState, *, api_key: str | None = None,
     app.state.server = state
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     _add_handlers(app)
     metrics = state.engine.metrics
 

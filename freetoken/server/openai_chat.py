@@ -21,6 +21,7 @@ from freetoken.server.protocol_openai import (
 from freetoken.server.serving import (
     OutputParser,
     ServerState,
+    check_tools_count,
     choice_index,
     forced_tool_prefix,
     make_params,
@@ -78,6 +79,7 @@ class ChatPrep:
 
 
 async def prepare(state: ServerState, req: ChatCompletionRequest) -> ChatPrep:
+    check_tools_count(state.limits, req.tools)
     messages = [template_message(i, m) for i, m in enumerate(req.messages)]
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
@@ -96,9 +98,11 @@ async def prepare(state: ServerState, req: ChatCompletionRequest) -> ChatPrep:
         prefix = forced_tool_prefix(state, name)
         ids = ids + state.tokenizer.encode(prefix, add_special_tokens=False)
     params = make_params(
+        state.limits,
         max_tokens=resolve_max_tokens(state, len(ids), req.completion_limit()),
         **common_sampling(req),
         logprobs=req.num_logprobs(),
+        logprobs_param="top_logprobs",
     )
     return ChatPrep(text + prefix, ids, params, prefix)
 

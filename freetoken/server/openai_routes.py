@@ -83,6 +83,7 @@ async def completions(request: Request):
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     params = make_params(
+        state.limits,
         max_tokens=resolve_max_tokens(state, len(ids), req.max_tokens),
         **chat.common_sampling(req),
         logprobs=req.logprobs,

@@ -25,6 +25,23 @@ from freetoken.server.errors import (
     format_validation_error,
 )
 from freetoken.server.parsers import REASONING_PARSERS, TOOL_PARSERS, ParsedToolCall
+from freetoken.server.responses_store import ResponseStore
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for, so that no single request can take the whole server.
+
+    Each is checked before anything reaches the engine; going over is a 400 that names the field
+    and the limit (ServerConfig carries the values, `ft serve --max-n` etc. set them).
+    """
+
+    max_n: int = 8  # choices per request (OpenAI allows 128; each is a full generation)
+    max_logprobs: int = 20  # top_logprobs / logprobs alternatives per token (OpenAI's limit)
+    max_stop: int = 16  # stop strings per request (each is searched in every new token's text)
+    max_stop_chars: int = 256  # characters in one stop string
+    max_stop_token_ids: int = 64
+    max_tools: int = 128  # tool definitions (each renders into the prompt; OpenAI's limit)
 
 
 @dataclass
@@ -34,6 +51,8 @@ class ServerState:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     created: int = 0
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept
 
     @property
     def tokenizer(self):
@@ -110,18 +129,48 @@ def resolve_max_tokens(state: ServerState, prompt_len: int, max_tokens: int | No
     return max_tokens
 
 
-def make_params(**kw) -> SamplingParams:
-    """SamplingParams from request fields (None = the default); its checks become 400s."""
+def check_bound(param: str, value: int, limit: int, what: str = "") -> None:
+    """A 400 naming the field and the limit when `value` (a count or a size) exceeds it."""
+    if value > limit:
+        raise bad_request(
+            f"{param} is {value}{what}, over this server's limit of {limit}", param=param
+        )
+
+
+def check_tools_count(limits: RequestLimits, tools: list | None, param: str = "tools") -> None:
+    check_bound(param, len(tools or ()), limits.max_tools, " tools")
+
+
+def make_params(
+    limits: RequestLimits, *, stop_param: str = "stop", logprobs_param: str = "logprobs", **kw
+) -> SamplingParams:
+    """SamplingParams from request fields (None = the default); its checks become 400s.
+
+    The server's RequestLimits are checked first: `n`, `logprobs`, `stop`, `stop_token_ids`.
+    """
     kw = {k: v for k, v in kw.items() if v is not None}
     stops = kw.get("stop")
     if isinstance(stops, str):
         stops = kw["stop"] = [stops]
     if stops and any(s == "" for s in stops):
-        raise bad_request("stop strings must not be empty", param="stop")
+        raise bad_request("stop strings must not be empty", param=stop_param)
+    _check_limits(limits, kw, stop_param, logprobs_param)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
         raise bad_request(str(e), param=str(e).split(" ")[0]) from None
+
+
+def _check_limits(limits: RequestLimits, kw: dict, stop_param: str, lp_param: str) -> None:
+    check_bound("n", kw.get("n", 1), limits.max_n)
+    if kw.get("logprobs") is not None:
+        check_bound(lp_param, kw["logprobs"], limits.max_logprobs, " alternatives")
+    stops = kw.get("stop") or []
+    check_bound(stop_param, len(stops), limits.max_stop, " stop strings")
+    longest = max((len(s) for s in stops), default=0)
+    check_bound(stop_param, longest, limits.max_stop_chars, " characters in one stop string")
+    check_bound("stop_token_ids", len(kw.get("stop_token_ids") or []),
+                limits.max_stop_token_ids, " ids")
 
 
 def sub_requests(rid: str, ids: list[int], params: SamplingParams) -> list[SubRequest]:
