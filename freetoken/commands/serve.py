@@ -37,6 +37,17 @@ def add_parser(sub) -> None:
                    default=ServerConfig.max_in_flight_requests,
                    help="generation requests held at once (running + waiting); more get 503")
     p.add_argument("--max-body-mb", type=int, default=ServerConfig.max_body_mb)
+    p.add_argument("--max-n", type=int, default=ServerConfig.max_n,
+                   help="choices one request may ask for (n); more is a 400")
+    p.add_argument("--max-logprobs", type=int, default=ServerConfig.max_logprobs,
+                   help="logprobs / top_logprobs alternatives per token; more is a 400")
+    p.add_argument("--max-stop", type=int, default=ServerConfig.max_stop,
+                   help="stop strings per request; more is a 400")
+    p.add_argument("--max-tools", type=int, default=ServerConfig.max_tools,
+                   help="tool definitions per request; more is a 400")
+    p.add_argument("--max-stored-responses", type=int,
+                   default=ServerConfig.max_stored_responses,
+                   help="/v1/responses kept in memory for GET and previous_response_id")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
@@ -56,6 +67,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key, reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
         max_in_flight_requests=args.max_in_flight_requests, max_body_mb=args.max_body_mb,
+        max_n=args.max_n, max_logprobs=args.max_logprobs, max_stop=args.max_stop,
+        max_tools=args.max_tools, max_stored_responses=args.max_stored_responses,
     )
 
 
