@@ -15,6 +15,11 @@ decode tokens mixed). Shapes:
 - `state_slots` int64 [B] or None: per-request slot of recurrent state (linear-attention layers).
 - `recurrent_states`: one tuple of state pools per linear-attention layer, each `[slots, ...]`
   (layers/gdn.py: conv state and recurrent state), indexed by `state_slots`.
+
+Host copies (`cu_seqlens_q_list`, `seq_lens_list`, `state_slots_list`, `max_seqlen_q`) let the
+torch reference kernels and the prefill launchers loop or size grids without reading device
+tensors back. A pure-decode step (`is_decode`: T == B, one new token per sequence) is known
+from the tensors' shapes alone, so a captured CUDA graph needs none of them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,24 @@ class ForwardContext:
     # Host copies for Python-side loops in the torch reference kernels (avoid device syncs).
     cu_seqlens_q_list: list[int] = field(default_factory=list)
     seq_lens_list: list[int] = field(default_factory=list)
+    state_slots_list: list[int] = field(default_factory=list)
+    max_seqlen_q: int = 0  # longest new-token run of one sequence; 0 = unknown (use T)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one token (decided by shapes, no device read)."""
+        return int(self.positions.shape[0]) == int(self.seq_lens.shape[0])
+
+    def host_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(cu_seqlens_q, seq_lens, state_slots) on the host. The runner fills them; a context
+        built without them (tests) reads the tensors back once and keeps the copies."""
+        if not self.cu_seqlens_q_list:
+            self.cu_seqlens_q_list = self.cu_seqlens_q.tolist()
+        if not self.seq_lens_list:
+            self.seq_lens_list = self.seq_lens.tolist()
+        if not self.state_slots_list and self.state_slots is not None:
+            self.state_slots_list = self.state_slots.tolist()
+        return self.cu_seqlens_q_list, self.seq_lens_list, self.state_slots_list
 
     @property
     def num_seqs(self) -> int:

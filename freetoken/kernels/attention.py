@@ -4,6 +4,11 @@ The KV cache of one layer is `[2, num_pages, page_size, n_kv, d]` (K then V). Ne
 K/V are written into their slots (`slot_mapping`), then each sequence gathers its pages in
 order (`page_table`, `seq_lens`) and attends causally, optionally within a sliding window
 and with tanh soft-capping of the scores. GQA: query head h reads KV head h // (n_q / n_kv).
+
+CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.attention`): one batched KV
+store, then the decode kernel when every sequence feeds one token, else the varlen prefill
+kernel; neither reads device values back to the host. This torch code is the CPU path and the
+oracle of their tests.
 """
 
 from __future__ import annotations
@@ -68,9 +73,11 @@ def paged_attention(
             f"paged_attention: cache heads/dim {tuple(cache.shape[-2:])} vs k {tuple(k.shape[1:])}"
             f", {n_q} query heads"
         )
+    if q.is_cuda:
+        return paged_attention_triton(q, k, v, cache, ctx, scale=scale, window=window,
+                                      softcap=softcap)
     write_kv(cache, k, v, ctx.slot_mapping)
-    cu = ctx.cu_seqlens_q_list or ctx.cu_seqlens_q.tolist()
-    lens = ctx.seq_lens_list or ctx.seq_lens.tolist()
+    cu, lens, _ = ctx.host_lists()
     out = torch.empty_like(q)
     for b in range(len(lens)):
         lo, hi = cu[b], cu[b + 1]
@@ -82,3 +89,31 @@ def paged_attention(
         mask = _mask(ctx.positions[lo:hi], lens[b], window)
         out[lo:hi] = _attend(q[lo:hi], kk, vv, mask, scale, softcap).to(q.dtype)
     return out
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    ctx: ForwardContext,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The Triton path of `paged_attention` (also runs on CPU tensors under TRITON_INTERPRET=1).
+
+    A negative slot in `ctx.slot_mapping` (a padded row of a captured batch) writes nothing."""
+    from freetoken.kernels.triton import attention as tri  # lazy: needs triton
+
+    if not cache.is_contiguous():
+        raise ValueError("paged_attention: the KV cache must be contiguous "
+                         "[2, pages, page_size, n_kv, d]")
+    tri.store_kv(cache, k, v, ctx.slot_mapping)
+    if ctx.is_decode:
+        return tri.decode(q, cache, ctx.page_table, ctx.seq_lens, scale=scale, window=window,
+                          softcap=softcap)
+    max_q = ctx.max_seqlen_q or int(q.shape[0])
+    return tri.prefill(q, cache, ctx.page_table, ctx.cu_seqlens_q, ctx.seq_lens, max_q,
+                       scale=scale, window=window, softcap=softcap)

@@ -1,0 +1,283 @@
+"""Paged attention in Triton: the KV store, decode (split-K) and varlen prefill kernels.
+
+Same contract as the torch reference (`freetoken.kernels.attention`): the KV cache of one layer
+is `[2, num_pages, page_size, n_kv, d]`, query head h reads KV head h // (n_q / n_kv), a query
+at position p sees keys j <= p (and p - j < window with a sliding window), scores are
+`q.k * scale`, optionally soft-capped `c * tanh(s / c)`. Scores, softmax and accumulation are
+fp32; bf16 / fp16 operands go to the tensor cores as they are, fp32 operands use IEEE dots.
+
+Every size the kernels need at run time (sequence lengths, query offsets, pages) is read from
+device tensors, never from the host, so the decode path can be captured in a CUDA graph. The
+host only picks launch shapes from tensor shapes (batch, table width) and, for prefill, the
+longest query chunk (`ctx.max_seqlen_q`, or T when the caller did not say).
+
+Decode: one program per (sequence, kv head, split): the G query heads sharing a KV head are
+the rows of one tile, so K and V are read once per KV head. Long contexts are split over the
+sequence (split-K); a second small kernel merges the splits' (max, denominator, acc).
+Prefill: flash-attention over `cu_seqlens_q`, one program per (query block, query head,
+sequence), reading K / V through the page table.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# A finite "minus infinity": a fully masked block gives weight 0, never NaN.
+NEG = tl.constexpr(-1.0e30)
+
+
+def _max_iters(keys: int, block: int) -> int:
+    """0 for compiled kernels (they loop to the sequence's own end, read on the device). Under
+    Triton's interpreter a runtime loop bound cannot be a Python index (numpy 2 refuses int()
+    of a 1-element array), so there the loop runs a constexpr count of blocks covering `keys`
+    and masks every key past the sequence."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return 0
+    return max(1, triton.cdiv(keys, block))
+
+
+@triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), tanh from exp of a non-positive number (no overflow)."""
+    x = s / cap
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return cap * tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
+                     stride_vh, v_plane, D: tl.constexpr, N_KV: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """One program per new token: its K and V rows into flat slot `slot` (< 0: padding)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < N_KV * D) & (slot >= 0)
+    head, dim = offs // D, offs % D
+    k = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=mask)
+    dst = cache_ptr + slot * (N_KV * D) + offs
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + v_plane, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attend_block(q, acc, m, den, cache_ptr, v_plane, table_row, j, jmask, smask, kvh, dims,
+                  dmask, scale, softcap, PAGE: tl.constexpr, N_KV: tl.constexpr,
+                  D: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """One online-softmax step over keys j [BLOCK_N] for the rows of q [M, D_PAD].
+
+    `smask` [M, BLOCK_N]: which (row, key) pairs count. Returns (acc, m, den) updated."""
+    page = tl.load(table_row + j // PAGE, mask=jmask, other=0).to(tl.int64)
+    kv_off = (page * PAGE + j % PAGE)[:, None] * (N_KV * D) + kvh * D + dims[None, :]
+    kvm = jmask[:, None] & dmask[None, :]
+    k = tl.load(cache_ptr + kv_off, mask=kvm, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    if HAS_SOFTCAP:
+        s = _softcap(s, softcap)
+    s = tl.where(smask, s, NEG)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    v = tl.load(cache_ptr + v_plane + kv_off, mask=kvm, other=0.0)
+    if IEEE:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, den
+
+
+@triton.jit
+def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, stride_qt,
+                   stride_qh, stride_ot, stride_oh, stride_table, v_plane, split_len, scale,
+                   softcap, window, PAGE: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
+                   D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr):
+    b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    if HAS_WINDOW:  # keys j with (seq_len - 1) - j < window
+        lo = tl.maximum(lo, seq_len - window)
+    g = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D_PAD)
+    gmask, dmask = g < G, dims < D
+    heads = kvh * G + g
+    qm = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=qm,
+                other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty)
+    m = tl.full([G_PAD], NEG, tl.float32)
+    den = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    table_row = table_ptr + b.to(tl.int64) * stride_table
+    for it in range(0, MAX_ITERS if MAX_ITERS else tl.cdiv(hi - lo, BLOCK_N)):
+        j = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        jmask = j < hi
+        acc, m, den = _attend_block(q, acc, m, den, cache_ptr, v_plane, table_row, j, jmask,
+                                  jmask[None, :] & gmask[:, None], kvh, dims, dmask, scale,
+                                  softcap, PAGE, N_KV, D, HAS_SOFTCAP, IEEE)
+    if NUM_SPLITS == 1:
+        out = acc / tl.maximum(den, 1e-30)[:, None]
+        dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qm)
+    else:  # partials [B, Hq, NUM_SPLITS, D_PAD + 2]: acc, then m, then den
+        row = (b * (N_KV * G) + heads) * NUM_SPLITS + split
+        base = part_ptr + row.to(tl.int64) * (D_PAD + 2)
+        tl.store(base[:, None] + dims[None, :], acc, mask=gmask[:, None])
+        tl.store(base + D_PAD, m, mask=gmask)
+        tl.store(base + D_PAD + 1, den, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, out_ptr, stride_ot, stride_oh, H: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    """One program per (sequence, query head): softmax-weighted sum of its splits."""
+    b, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    smask = s < NUM_SPLITS
+    base = part_ptr + ((b * H + h) * NUM_SPLITS + s).to(tl.int64) * (D_PAD + 2)
+    m = tl.load(base + D_PAD, mask=smask, other=NEG)
+    den = tl.load(base + D_PAD + 1, mask=smask, other=0.0)
+    acc = tl.load(base[:, None] + dims[None, :], mask=smask[:, None], other=0.0)
+    w = tl.exp(m - tl.max(m, 0))  # [S_PAD]; an empty split (m = NEG) weighs 0
+    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(den * w, 0), 1e-30)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < D)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, cache_ptr, table_ptr, cu_ptr, seq_lens_ptr, out_ptr, stride_qt,
+                    stride_qh, stride_ot, stride_oh, stride_table, v_plane, scale, softcap,
+                    window, PAGE: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
+                    D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr):
+    mblk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_lo = tl.load(cu_ptr + b)
+    n_q = tl.load(cu_ptr + b + 1) - q_lo
+    seq_len = tl.load(seq_lens_ptr + b)
+    first = seq_len - n_q  # position of the sequence's first new token
+    rows = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_q
+    pos = first + rows
+    dims = tl.arange(0, D_PAD)
+    dmask = dims < D
+    kvh = h // G
+    qm = rmask[:, None] & dmask[None, :]
+    tok = (q_lo + rows).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + dims[None, :], mask=qm,
+                other=0.0)
+    q = q.to(cache_ptr.dtype.element_ty)
+    hi = tl.minimum(seq_len, first + (mblk + 1) * BLOCK_M)  # past the block's last query
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first + mblk * BLOCK_M - window + 1, 0)
+    hi = tl.where(mblk * BLOCK_M < n_q, hi, lo)  # a block past this sequence's queries
+    m = tl.full([BLOCK_M], NEG, tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table_row = table_ptr + b.to(tl.int64) * stride_table
+    for it in range(0, MAX_ITERS if MAX_ITERS else tl.cdiv(hi - lo, BLOCK_N)):
+        j = lo + it * BLOCK_N + tl.arange(0, BLOCK_N)
+        jmask = j < hi
+        smask = (j[None, :] <= pos[:, None]) & jmask[None, :] & rmask[:, None]
+        if HAS_WINDOW:
+            smask = smask & (pos[:, None] - j[None, :] < window)
+        acc, m, den = _attend_block(q, acc, m, den, cache_ptr, v_plane, table_row, j, jmask,
+                                  smask, kvh, dims, dmask, scale, softcap, PAGE, N_KV, D,
+                                  HAS_SOFTCAP, IEEE)
+    out = acc / tl.maximum(den, 1e-30)[:, None]
+    dst = out_ptr + tok[:, None] * stride_ot + h * stride_oh + dims[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qm)
+
+
+# ---- launchers -----------------------------------------------------------------------------
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(n))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, d] with unit stride over d (the kernels index heads and rows by stride)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [T, n_kv, d] into `cache` at flat slots [T]; a negative slot (padding) is skipped."""
+    k, v = _rows(k), _rows(v)
+    n_kv, d = cache.shape[-2:]
+    if k.shape[0]:
+        _store_kv_kernel[(k.shape[0],)](
+            k, v, cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cache[1].numel(), D=d, N_KV=n_kv, BLOCK=_pow2(n_kv * d))
+
+
+def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
+    """Splits of the sequence for decode: enough programs to fill the GPU, each at least 256
+    keys. Depends on shapes only (the same for every replay of a captured graph)."""
+    if batch * n_kv >= 128:
+        return 1
+    want = max(1, 256 // (batch * n_kv))
+    return int(max(1, min(want, 16, max_ctx // max(256, block_n))))
+
+
+def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+           seq_lens: torch.Tensor, *, scale: float, window: int | None,
+           softcap: float | None, splits: int | None = None) -> torch.Tensor:
+    """One query per sequence: q [B, n_q, d] at position seq_lens - 1 -> out [B, n_q, d]."""
+    q = _rows(q)
+    bsz, n_q, d = q.shape
+    n_kv, page = cache.shape[-2], cache.shape[2]
+    g = n_q // n_kv
+    out = torch.empty_like(q)
+    block_n = 64
+    max_ctx = page_table.shape[1] * page
+    splits = splits or num_splits(bsz, n_kv, max_ctx, block_n)
+    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
+    d_pad = _pow2(d)
+    part = (torch.empty(bsz, n_q, splits, d_pad + 2, dtype=torch.float32, device=q.device)
+            if splits > 1 else out)
+    _decode_kernel[(bsz, n_kv, splits)](
+        q, cache, page_table, seq_lens, out, part, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), page_table.stride(0), cache[1].numel(), split_len, scale,
+        softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=d_pad, G=g,
+        G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
+        MAX_ITERS=_max_iters(split_len, block_n))
+    if splits > 1:
+        _merge_kernel[(bsz, n_q)](part, out, out.stride(0), out.stride(1), H=n_q, D=d,
+                                  D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=_pow2(splits, 2))
+    return out
+
+
+def prefill(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+            cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, max_seqlen_q: int, *,
+            scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
+    """Varlen causal attention: q [T, n_q, d] (sequence b's new tokens at
+    cu_seqlens_q[b]:cu_seqlens_q[b+1], the last at position seq_lens[b] - 1) -> [T, n_q, d]."""
+    q = _rows(q)
+    n_q, d = q.shape[1:]
+    n_kv, page = cache.shape[-2], cache.shape[2]
+    out = torch.empty_like(q)
+    block_m = 32 if max_seqlen_q <= 32 else 64
+    grid = (triton.cdiv(max(max_seqlen_q, 1), block_m), n_q, seq_lens.shape[0])
+    _prefill_kernel[grid](
+        q, cache, page_table, cu_seqlens_q, seq_lens, out, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), page_table.stride(0), cache[1].numel(), scale,
+        softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=_pow2(d), G=n_q // n_kv,
+        BLOCK_M=block_m, BLOCK_N=32, HAS_WINDOW=window is not None,
+        HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
+        MAX_ITERS=_max_iters(page_table.shape[1] * page, 32))
+    return out
