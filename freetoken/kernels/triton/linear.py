@@ -1,0 +1,206 @@
+"""Quantized linear and embedding on the GPU: weights stay in their storage format.
+
+`y[M, N] = (x[M, K] @ W^T) * scale2` with W decoded tile by tile in registers
+(`quant.decode_tile`, bit-exact values) and accumulated in fp32:
+- one token (decode at batch 1): a GEMV, each program owns BLOCK_N output rows and reads their
+  blocks once; products and sums in fp32 CUDA-core math;
+- more tokens: tiles fed to `tl.dot` (tensor cores in bf16 / f16 when x is; fp32 activations
+  use IEEE fp32 dots, so fp32 runs keep fp32 accuracy).
+The second-level scale (scalar or one value per output row) multiplies the fp32 accumulator.
+Decoding kernels run with `enable_fp_fusion=False`: the codecs round `q * d` before `- m`.
+K is a constexpr (a model has a handful of input sizes): a fixed trip count for the compiler,
+and Triton's interpreter (CI) cannot loop over a runtime bound under numpy 2.4.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels.triton.quant import decode_tile, format_id
+
+log = logging.getLogger(__name__)
+_DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT_FMT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+@triton.jit
+def _dot_acc(acc, x, w, DOT: tl.constexpr):
+    """acc[BM, BN] += x[BM, BK] @ w[BN, BK]^T in the dot's precision (see module doc)."""
+    if DOT == 1:
+        acc += tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    elif DOT == 2:
+        acc += tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)))
+    else:
+        acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT: tl.constexpr):
+    """Each output row's weight and block-scale pointers ([BN, 1]); FP8 scales cover 128 rows."""
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
+    if FMT == 3:
+        s_rows = s_ptr + (rn // 128)[:, None].to(tl.int64) * stride_sn
+    else:
+        s_rows = s_ptr + rn[:, None].to(tl.int64) * stride_sn
+    return w_rows, s_rows
+
+
+@triton.jit
+def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
+                stride_xm, stride_wn, stride_sn, stride_om, K: tl.constexpr,
+                FMT: tl.constexpr, SCALE2: tl.constexpr, DOT: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)  # tokens vary fastest: programs that share rows run together
+    pid_n = tl.program_id(1)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    w_rows, s_rows = _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT)
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
+        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
+        if BM == 1:
+            acc += tl.sum(w * x.to(tl.float32), axis=1)[None, :]
+        else:
+            acc = _dot_acc(acc, x, w, DOT)
+    if SCALE2 == 1:
+        acc = acc * tl.load(scale2_ptr)
+    elif SCALE2 == 2:
+        acc = acc * tl.load(scale2_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    out = out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & n_ok[None, :])
+
+
+@triton.jit
+def _decode_rows_kernel(ids_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, K, stride_wn, stride_sn,
+                        stride_om, FMT: tl.constexpr, SCALE2: tl.constexpr, BK: tl.constexpr):
+    """out[t, :] = row ids[t] of W (decoded, times a scalar scale2): embedding and tests."""
+    t = tl.program_id(0)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    row = tl.load(ids_ptr + t + tl.arange(0, 1))  # [1]
+    w_rows, s_rows = _row_ptrs(w_ptr, s_ptr, row, stride_wn, stride_sn, FMT)
+    k_ok = k < K
+    w = decode_tile(FMT, w_rows, s_rows, k[None, :], k_ok[None, :])
+    if SCALE2 == 1:
+        w = w * tl.load(scale2_ptr)
+    out = out_ptr + t.to(tl.int64) * stride_om + k[None, :]
+    tl.store(out, w.to(out_ptr.dtype.element_ty), mask=k_ok[None, :])
+
+
+# -- launchers ------------------------------------------------------------------------------------
+def supported(qw: QuantWeight) -> bool:
+    return format_id(qw) is not None
+
+
+def weight_args(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data, block scales) as the kernels read them: bytes (float formats: their own dtype),
+    the last dimension contiguous. Weights without block scales pass `data` twice (unused)."""
+    data = qw.data
+    if data.dtype == torch.float8_e4m3fn:
+        data = data.view(torch.uint8)
+    scales = data if qw.scales is None else qw.scales
+    if scales.dtype == torch.float8_e4m3fn:
+        scales = scales.view(torch.uint8)
+    for name, t in (("data", data), ("scales", scales)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{qw.source or 'weight'}: {name} must have a contiguous last "
+                             f"dimension for the GPU kernels (strides {t.stride()})")
+    return data, scales
+
+
+def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torch.Tensor]:
+    s = qw.scale2
+    if s is None:
+        return 0, like
+    s = s.to(device=like.device, dtype=torch.float32).reshape(-1)
+    if s.numel() == 1:
+        return 1, s
+    if s.numel() == n:
+        return 2, s.contiguous()
+    raise ValueError(f"{qw.source or 'weight'}: scale2 has {s.numel()} values; a linear takes "
+                     f"1 or one per output row ({n})")
+
+
+def _blocks(m: int, n: int, dot: int) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_warps) by shape: GEMV rows per program sized so that at batch 1 there
+    are several programs per SM; GEMM tiles for tl.dot otherwise."""
+    if m == 1:
+        bn = 4 if n <= 4096 else 8
+        return 1, bn, 256, 4
+    if m <= 64:
+        return max(16, triton.next_power_of_2(m)), 32, 128, 4
+    return 64, 64, 64, 4
+
+
+def triton_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """y[..., N] = (x[..., K] @ W^T) * scale2 in x's dtype (no bias), W in its storage format."""
+    fmt = format_id(qw)
+    if fmt is None:
+        raise ValueError(f"{qw.source or 'weight'}: no GPU kernel for {qw.fmt} "
+                         f"(ggml type {qw.ggml_type})")
+    n, k = qw.out_features, qw.in_features
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    data, scales = weight_args(qw)
+    mode, s2 = _scale2_args(qw, n, out)
+    dot = _DOT.get(x.dtype, 0)
+    bm, bn, bk, warps = _blocks(m, n, dot)
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
+                      scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,
+                      BM=bm, BN=bn, BK=bk, num_warps=warps, enable_fp_fusion=False)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def triton_rows(qw: QuantWeight, ids: torch.Tensor, dtype: torch.dtype,
+                apply_scale2: bool = True) -> torch.Tensor:
+    """Rows `ids` of a 2-D weight, decoded on the device: [len(ids), K] in `dtype`."""
+    fmt = format_id(qw)
+    if fmt is None:
+        raise ValueError(f"{qw.source or 'weight'}: no GPU kernel for {qw.fmt}")
+    flat = ids.reshape(-1).to(torch.int32)
+    k = qw.in_features
+    out = torch.empty(flat.numel(), k, dtype=dtype, device=qw.data.device)
+    data, scales = weight_args(qw)
+    mode, s2 = (0, out) if not apply_scale2 else _scale2_args(qw, qw.out_features, out)
+    if mode == 2:
+        raise ValueError(f"{qw.source or 'weight'}: per-row scale2 on an embedding table")
+    bk = 256
+    grid = (flat.numel(), triton.cdiv(k, bk))
+    if flat.numel():
+        _decode_rows_kernel[grid](flat, data, scales, s2, out, k, data.stride(-2),
+                                  scales.stride(-2), out.stride(0), FMT=fmt, SCALE2=mode, BK=bk,
+                                  enable_fp_fusion=False)
+    return out
+
+
+def triton_embedding(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Embedding rows decoded on the device (times a scalar scale2): [*ids.shape, K]."""
+    return triton_rows(qw, ids, dtype).reshape(*ids.shape, qw.in_features)
+
+
+def dequantize_at_load(qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> QuantWeight:
+    """A weight with no GPU kernel (a rare GGUF type) -> a float weight, decoded once at load by
+    the reference codecs, scale2 kept beside it. Weights with a kernel come back unchanged."""
+    if supported(qw):
+        return qw
+    from freetoken.formats.dequant import dequantize
+
+    name = f"ggml type {qw.ggml_type}" if qw.fmt == "gguf" else qw.fmt
+    log.info("%s: no GPU kernel for %s; dequantized once at load to %s",
+             qw.source or "weight", name, dtype)
+    return QuantWeight(dequantize(qw).to(dtype), _FLOAT_FMT[dtype], tuple(qw.shape),
+                       scale2=qw.scale2, source=qw.source)
