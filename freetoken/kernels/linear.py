@@ -2,7 +2,9 @@
 
 Quantized weights stay quantized in memory: each call dequantizes what it needs, tile by tile
 (rows of the weight), multiplies in fp32 and applies the second-level scale to the result
-(`y = (x @ W^T) * scale2`, DESIGN.md). GPU kernels will slot in behind the same functions.
+(`y = (x @ W^T) * scale2`, DESIGN.md). On CUDA tensors the Triton kernels of
+`freetoken.kernels.triton.linear` take over (weights decoded in registers, read once per call);
+this torch path stays the CPU path and the oracle of their tests.
 """
 
 from __future__ import annotations
@@ -70,11 +72,24 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -
         y = F.linear(x, qw.data.to(x.dtype))
         if qw.scale2 is not None:
             y = apply_scale2(y.float(), qw.scale2).to(x.dtype)
+    elif _on_gpu(x, qw):
+        from freetoken.kernels.triton.linear import triton_linear  # lazy: needs triton
+
+        y = triton_linear(x, qw)
     else:
         y = _quant_linear(x, qw)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y
+
+
+def _on_gpu(x: torch.Tensor, qw: QuantWeight) -> bool:
+    """CUDA tensors of a format the Triton kernels decode (the rest take the torch path)."""
+    if not (x.is_cuda and qw.data.is_cuda):
+        return False
+    from freetoken.kernels.triton.quant import format_id
+
+    return format_id(qw) is not None
 
 
 def _quant_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
@@ -101,6 +116,10 @@ def embedding(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.T
         if qw.scale2 is not None:
             rows = apply_scale2(rows.float(), qw.scale2).to(dtype)
         return rows.reshape(*ids.shape, qw.in_features)
+    if _on_gpu(flat, qw) and (qw.scale2 is None or qw.scale2.numel() == 1):
+        from freetoken.kernels.triton.linear import triton_embedding
+
+        return triton_embedding(ids, qw, dtype)
     scales = qw.scales
     if scales is not None:
         if qw.fmt == "fp8_block":  # rare: dequantize whole 128-row blocks, then pick

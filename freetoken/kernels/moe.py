@@ -11,7 +11,8 @@ Slot indirection: with `expert_map` (int32 `[E]`) the bank is a pool of slots (`
 `[S, 2I, H]`, `w2` `[S, H, I]`, `scales` `[S, 4]`) and expert e lives in slot `expert_map[e]`;
 a route whose expert maps to -1 contributes nothing (another path, the CPU, computes it).
 CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.moe`), which check the same
-shapes but never read device values back to the host (the step may be a CUDA graph).
+shapes but never read device values back to the host (the step may be a CUDA graph); a bank
+format without a kernel takes this torch path on the GPU too (with its host syncs).
 """
 
 from __future__ import annotations
@@ -67,10 +68,11 @@ def fused_moe(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     `expert_map` int32 [E] (on x's device): expert -> slot of the bank, -1 = not here.
     """
     _check(x, bank, topk_ids, topk_weights, expert_map)
-    if x.is_cuda:
-        from freetoken.kernels.triton.moe import fused_moe_triton  # lazy: needs triton
+    if x.is_cuda and bank.w13.data.is_cuda:
+        from freetoken.kernels.triton.moe import fused_moe_triton, supported  # lazy: triton
 
-        return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
+        if supported(bank):
+            return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
     return _fused_moe_torch(x, bank, topk_ids, topk_weights, activation, expert_map)
 
 

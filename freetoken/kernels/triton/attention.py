@@ -99,17 +99,21 @@ def _attend_block(q, acc, m, den, cache_ptr, v_plane, table_row, j, jmask, smask
 
 @triton.jit
 def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, stride_qt,
-                   stride_qh, stride_ot, stride_oh, stride_table, v_plane, split_len, scale,
+                   stride_qh, stride_ot, stride_oh, stride_table, v_plane, scale,
                    softcap, window, PAGE: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
                    D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo = split * split_len
-    hi = tl.minimum(lo + split_len, seq_len)
+    first = 0
     if HAS_WINDOW:  # keys j with (seq_len - 1) - j < window
-        lo = tl.maximum(lo, seq_len - window)
+        first = tl.maximum(seq_len - window, 0)
+    # This split's share of the keys, sized from the sequence's own length (read here, so a
+    # replayed graph splits each step's context evenly).
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
     g = tl.arange(0, G_PAD)
     dims = tl.arange(0, D_PAD)
     gmask, dmask = g < G, dims < D
@@ -225,8 +229,9 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 
 
 def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
-    """Splits of the sequence for decode: enough programs to fill the GPU, each at least 256
-    keys. Depends on shapes only (the same for every replay of a captured graph)."""
+    """Splits of the sequence for decode: enough programs to fill the GPU, at most one per 256
+    keys of the table's capacity. Depends on shapes only (the same for every replay of a
+    captured graph); each program sizes its share from the sequence's length."""
     if batch * n_kv >= 128:
         return 1
     want = max(1, 256 // (batch * n_kv))
@@ -245,17 +250,16 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     block_n = 64
     max_ctx = page_table.shape[1] * page
     splits = splits or num_splits(bsz, n_kv, max_ctx, block_n)
-    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
     d_pad = _pow2(d)
     part = (torch.empty(bsz, n_q, splits, d_pad + 2, dtype=torch.float32, device=q.device)
             if splits > 1 else out)
     _decode_kernel[(bsz, n_kv, splits)](
         q, cache, page_table, seq_lens, out, part, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), page_table.stride(0), cache[1].numel(), split_len, scale,
+        out.stride(1), page_table.stride(0), cache[1].numel(), scale,
         softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=d_pad, G=g,
         G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
-        MAX_ITERS=_max_iters(split_len, block_n))
+        MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n))
     if splits > 1:
         _merge_kernel[(bsz, n_q)](part, out, out.stride(0), out.stride(1), H=n_q, D=d,
                                   D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=_pow2(splits, 2))

@@ -1,0 +1,198 @@
+"""Fused MoE on the GPU: two kernels over a bank or a pool of slots, no host syncs.
+
+Routes (token t, choice j; route r = t * k + j) are grouped into blocks of BM routes that share
+one slot (`_align`); a program owns one block and BN output rows:
+1. `_gate_up_kernel`: g = x Wg^T * s[slot, 0], u = x Wu^T * s[slot, 1] from the slot's w13 rows
+   (gate rows n, up rows I + n, decoded in registers), a[r, n] = glu(g, u), fp32;
+2. `_down_kernel`: y[r, :] = (a[r] Wd^T) * s[slot, 2] * route_weight[r], fp32 per route;
+then y.view(T, k, H).sum(1): deterministic (no atomics), and a route whose expert maps to slot
+-1 keeps its zero row (another path computes it).
+Decode (few routes) uses BM = 1: one program per (route, row block), a GEMV over that expert's
+rows with no sort at all (vLLM's sort/align only pays off once several routes share an expert).
+Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
+ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
+from freetoken.kernels.triton.quant import decode_tile, format_id
+from freetoken.moe.banks import ExpertBank
+
+_ACT = {"silu": 0, "gelu_tanh": 1}
+
+
+@triton.jit
+def _glu(g, u, ACT: tl.constexpr):
+    if ACT == 0:
+        a = g * tl.sigmoid(g) * u
+    else:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u
+    return a
+
+
+@triton.jit
+def _block_routes(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr):
+    pid_b = tl.program_id(0)
+    slot = tl.load(block_slot_ptr + pid_b)
+    routes = tl.load(route_ids_ptr + pid_b * BM + tl.arange(0, BM))
+    return slot, routes, routes < R
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, a_ptr, R,
+                    stride_xm, stride_ws, stride_wn, stride_ss, stride_sn, stride_am,
+                    K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                    FMT: tl.constexpr, DOT: tl.constexpr, ACT: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
+    if slot < 0:
+        return
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = rn < INTER
+    w_slot = w_ptr + slot.to(tl.int64) * stride_ws
+    s_slot = s_ptr + slot.to(tl.int64) * stride_ss
+    wg, sg = _row_ptrs(w_slot, s_slot, rn, stride_wn, stride_sn, FMT)
+    wu, su = _row_ptrs(w_slot, s_slot, rn + INTER, stride_wn, stride_sn, FMT)
+    x_rows = x_ptr + (routes // TOPK)[:, None].to(tl.int64) * stride_xm
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        g = decode_tile(FMT, wg, sg, k[None, :], w_ok)
+        u = decode_tile(FMT, wu, su, k[None, :], w_ok)
+        if BM == 1:
+            xf = x.to(tl.float32)
+            acc_g += tl.sum(g * xf, axis=1)[None, :]
+            acc_u += tl.sum(u * xf, axis=1)[None, :]
+        else:
+            acc_g = _dot_acc(acc_g, x, g, DOT)
+            acc_u = _dot_acc(acc_u, x, u, DOT)
+    s = bank_s_ptr + slot * 4
+    a = _glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
+    out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
+    tl.store(out, a, mask=r_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
+                 y_ptr, R, stride_am, stride_ws, stride_wn, stride_ss, stride_sn, stride_ym,
+                 K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
+    if slot < 0:
+        return
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = rn < HIDDEN
+    w_rows, s_rows = _row_ptrs(w_ptr + slot.to(tl.int64) * stride_ws,
+                               s_ptr + slot.to(tl.int64) * stride_ss, rn, stride_wn, stride_sn,
+                               FMT)
+    a_rows = a_ptr + routes[:, None].to(tl.int64) * stride_am
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < K
+        w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
+        a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if BM == 1:
+            acc += tl.sum(w * a, axis=1)[None, :]
+        else:
+            acc = _dot_acc(acc, a, w, DOT)
+    r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
+    y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * r_w[:, None]
+    out = y_ptr + routes[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+# -- routing on the device ------------------------------------------------------------------------
+def _align(slots: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes grouped by slot, each slot's run padded to a multiple of `bm`.
+
+    slots int64 [R] (-1 = not here) -> (route_ids int32 [blocks * bm], padding = R;
+    block_slot int32 [blocks], -1 for unused blocks). `blocks` is an upper bound that depends
+    on R and the slot count only (no device value is read back)."""
+    r = slots.numel()
+    dev = slots.device
+    blocks = triton.cdiv(r, bm) + min(r, num_slots)
+    key = torch.where(slots >= 0, slots, num_slots)  # [R]; num_slots = the "not here" bucket
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + bm - 1) // bm * bm
+    padded[num_slots] = 0
+    pad_start = torch.cumsum(padded, 0) - padded  # [S + 1] first padded position of each slot
+    grp_start = torch.cumsum(counts, 0) - counts  # [S + 1] first sorted position of each slot
+    order = torch.argsort(key, stable=True)
+    skey = key[order]
+    rank = torch.arange(r, device=dev) - grp_start[skey]
+    trash = blocks * bm  # routes not here are written past the end and dropped
+    dest = torch.where(skey < num_slots, pad_start[skey] + rank, trash)
+    route_ids = torch.full((trash + 1,), r, dtype=torch.int32, device=dev)
+    route_ids.scatter_(0, dest, order.to(torch.int32))
+    block_end = torch.cumsum(padded[:num_slots] // bm, 0)  # [S] end block of each slot
+    block_slot = torch.searchsorted(block_end, torch.arange(blocks, device=dev), right=True)
+    block_slot = torch.where(block_slot < num_slots, block_slot, -1).to(torch.int32)
+    return route_ids[:trash], block_slot
+
+
+def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: int,
+            bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    slots = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        slots = expert_map.long()[slots]
+    if bm == 1:
+        r = slots.numel()
+        return torch.arange(r, dtype=torch.int32, device=slots.device), slots.to(torch.int32)
+    return _align(slots, num_slots, bm)
+
+
+# -- launcher -------------------------------------------------------------------------------------
+def supported(bank: ExpertBank) -> bool:
+    return format_id(bank.w13) is not None and format_id(bank.w2) is not None
+
+
+def _tiles(tokens: int) -> tuple[int, int, int]:
+    """(BM, BN, BK): BM = 1 (per-route GEMV) at decode sizes, tl.dot tiles above."""
+    if tokens <= 16:
+        return 1, 4, 256
+    return (16, 64, 64) if tokens <= 128 else (64, 64, 64)
+
+
+def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor, activation: str = "silu",
+                     expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors."""
+    if activation not in _ACT:
+        raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
+    t, topk = topk_ids.shape
+    h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    bm, bn, bk = _tiles(t)
+    route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
+    a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
+    y = torch.zeros(r, h, dtype=torch.float32, device=x.device)
+    if r == 0:
+        return y.reshape(t, h).to(x.dtype)
+    dot = _DOT.get(x.dtype, 0)
+    w13, s13 = weight_args(bank.w13)
+    w2, s2 = weight_args(bank.w2)
+    scales = bank.scales.contiguous()
+    rw = topk_weights.reshape(-1).contiguous()
+    nb = block_slot.numel()
+    _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
+        x, w13, s13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
+        w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
+        FMT=format_id(bank.w13), DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
+        enable_fp_fusion=False)
+    _down_kernel[(nb, triton.cdiv(h, bn))](
+        a, w2, s2, scales, route_ids, block_slot, rw, y, r, a.stride(0), w2.stride(0),
+        w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
+        FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk, enable_fp_fusion=False)
+    return y.view(t, topk, h).sum(1).to(x.dtype)
