@@ -1,4 +1,4 @@
-"""`ft bench BENCH ...`: benchmarks, one sub-command each (cpu-moe; bw joins later).
+"""`ft bench BENCH ...`: benchmarks, one sub-command each (cpu-moe, decode, prefill).
 
 Each entry of BENCHES adds its own arguments and runs lazily imported code, so `ft --help`
 stays cheap.
@@ -24,10 +24,59 @@ def _cpu_moe_run(args: argparse.Namespace) -> int:
     return main(args.threads, args.isa, args.json)
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+
+
+def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
+    from freetoken.cli import add_engine_args
+
+    add_engine_args(p)
+    if not prefill:
+        p.add_argument("--batch", type=_ints, default=[1, 4, 16],
+                       help="comma-separated decode batch sizes (default 1,4,16)")
+        p.add_argument("--prompt-len", type=int, default=128,
+                       help="prompt tokens of each decoding request (default 128)")
+        p.add_argument("--tokens", type=int, default=64,
+                       help="timed decode steps per batch size (default 64)")
+        p.add_argument("--prefill", action="store_true",
+                       help="also measure prefill (--prompt-lens)")
+    p.add_argument("--prompt-lens", type=_ints, default=[512, 2048],
+                   help="prompt lengths of the prefill measurement (default 512,2048)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed decode steps before timing (graph capture, autotuning); "
+                   "prefill warms up once when > 0")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="torch.profiler chrome trace of one decode step at the first batch size")
+
+
+def _engine_bench_run(args: argparse.Namespace, prefill_only: bool) -> int:
+    from freetoken.cli import engine_config_from_args
+    from freetoken.engine.bench import main
+
+    main(engine_config_from_args(args), batches=getattr(args, "batch", [1]),
+         prompt_len=getattr(args, "prompt_len", 128), tokens=getattr(args, "tokens", 8),
+         warmup=args.warmup, prompt_lens=args.prompt_lens, decode=not prefill_only,
+         prefill=prefill_only or args.prefill, json_path=args.json, profile_path=args.profile)
+    return 0
+
+
 # name -> (help, add arguments, run)
 BENCHES = {
     "cpu-moe": ("CPU MoE executor GB/s per ISA tier vs the memory read ceiling",
                 _cpu_moe_args, _cpu_moe_run),
+    "decode": ("engine decode tokens/s per batch size, weight bytes per step and the share of "
+               "the memory bandwidth measured in the same run",
+               lambda p: _engine_bench_args(p, prefill=False),
+               lambda a: _engine_bench_run(a, prefill_only=False)),
+    "prefill": ("engine prompt tokens/s for each --prompt-lens length",
+                lambda p: _engine_bench_args(p, prefill=True),
+                lambda a: _engine_bench_run(a, prefill_only=True)),
 }
 
 

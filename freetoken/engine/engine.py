@@ -92,7 +92,10 @@ class Engine:
     def _load(self, config: EngineConfig, tokenizer: Tokenizer | None):
         from freetoken.assets import resolve_model
         from freetoken.models import load_model
+        from freetoken.models.dummy import check_dummy_flags, load_dummy_engine_model
 
+        if check_dummy_flags(config):  # --dummy-weights: random weights, token-id prompts
+            return load_dummy_engine_model(config, self.dtype, self.device, tokenizer)
         path = resolve_model(config.model)
         model, _ = load_model(
             path, dtype=self.dtype, device=self.device, show_progress=config.show_progress
