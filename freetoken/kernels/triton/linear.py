@@ -142,8 +142,11 @@ def _blocks(m: int, n: int, dot: int) -> tuple[int, int, int, int]:
     return 64, 64, 64, 4
 
 
-def triton_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
-    """y[..., N] = (x[..., K] @ W^T) * scale2 in x's dtype (no bias), W in its storage format."""
+def triton_linear(x: torch.Tensor, qw: QuantWeight,
+                  tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """y[..., N] = (x[..., K] @ W^T) * scale2 in x's dtype (no bias), W in its storage format.
+
+    `tiles` (BM, BN, BK, num_warps) overrides the choice by shape (tests, benchmarks)."""
     fmt = format_id(qw)
     if fmt is None:
         raise ValueError(f"{qw.source or 'weight'}: no GPU kernel for {qw.fmt} "
@@ -157,7 +160,7 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
-    bm, bn, bk, warps = _blocks(m, n, dot)
+    bm, bn, bk, warps = tiles or _blocks(m, n, dot)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,

@@ -167,14 +167,18 @@ def _tiles(tokens: int) -> tuple[int, int, int]:
 
 def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, activation: str = "silu",
-                     expert_map: torch.Tensor | None = None) -> torch.Tensor:
-    """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors."""
+                     expert_map: torch.Tensor | None = None,
+                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
+
+    `tiles` (BM, BN, BK) overrides the choice by batch size (tests under the interpreter use
+    wide row blocks: fewer programs to interpret)."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    bm, bn, bk = _tiles(t)
+    bm, bn, bk = tiles or _tiles(t)
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     y = torch.zeros(r, h, dtype=torch.float32, device=x.device)

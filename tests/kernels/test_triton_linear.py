@@ -1,0 +1,88 @@
+"""The Triton quantized linear against the torch reference (`freetoken.kernels.linear`'s CPU
+path: codecs' dequantized weights, fp32 matmul), every format, one token (the GEMV) and several
+(tl.dot tiles), scale2 per tensor and per output row.
+
+Tolerance, elementwise: fp32 activations: 2 K eps sum_k |x||w| |s2| (the kernel sums in another
+order than torch, both in fp32); bf16 activations (CUDA only): 2^-7 sum_k |x||w| |s2| (weights
+rounded to bf16 for the tensor cores, output rounded to bf16). Without CUDA the kernels run in
+Triton's interpreter on small shapes; with CUDA also through the `linear` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_cases as cases  # noqa: E402
+
+from freetoken.formats.dequant import dequantize  # noqa: E402
+from freetoken.kernels.linear import embedding, linear  # noqa: E402
+from freetoken.kernels.triton.linear import triton_embedding, triton_linear  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+N, K = (300, 4096) if CUDA else (16, 512)
+BATCHES = [1, 7, 200] if CUDA else [1, 5]
+
+
+def _case(fmt: str, seed: int, per_row: bool):
+    gen = torch.Generator().manual_seed(seed)
+    qw = cases.random_weight(fmt, gen, N, K)
+    qw.scale2 = torch.rand(N, generator=gen) + 0.5 if per_row else torch.tensor(3e-2)
+    w = dequantize(qw)  # fp32 [N, K], no scale2
+    return qw, w
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s2: torch.Tensor) -> None:
+    ref = (x.double() @ w.double().T) * s2.double()
+    mag = (x.double().abs() @ w.double().abs().T) * s2.double().abs()
+    bound = cases.fp32_bound(K, mag) if x.dtype == torch.float32 else cases.bf16_bound(mag)
+    err = (y.double().cpu() - ref).abs()
+    assert bool((err <= bound).all()), f"max error / bound {float((err / bound).max()):.2f}"
+
+
+@pytest.mark.parametrize("fmt", cases.FORMATS)
+def test_triton_linear_matches_reference(fmt):
+    qw, w = _case(fmt, len(fmt) * 13, per_row=fmt in ("Q4_K", "nvfp4"))
+    qd = cases.to_device(qw, DEV)
+    for m in BATCHES:
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        tiles = None if CUDA else ((1, 16, 256, 4) if m == 1 else (16, 16, 128, 4))
+        y = triton_linear(x.to(DEV), qd, tiles)
+        _check(y, x, w, qw.scale2)
+        # the oracle itself: the torch path agrees with float64 within the same bound
+        _check(linear(x, qw), x, w, qw.scale2)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("fmt", cases.FORMATS)
+def test_linear_entry_point_bf16_cuda(fmt):
+    qw, w = _case(fmt, len(fmt) * 17, per_row=False)
+    qd = cases.to_device(qw, DEV)
+    for m in (1, 4, 16, 512):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        y = linear(x.to(DEV), qd)
+        assert y.dtype == torch.bfloat16
+        _check(y.float(), x.float(), w, qw.scale2)
+
+
+@pytest.mark.parametrize("fmt", ["Q6_K", "nvfp4", "fp8_block"])
+def test_triton_embedding_matches_reference(fmt):
+    qw, w = _case(fmt, 5, per_row=False)
+    ids = torch.tensor([[3, 0], [N - 1, 3]])
+    got = triton_embedding(ids.to(DEV), cases.to_device(qw, DEV), torch.float32).cpu()
+    ref = embedding(ids, qw, torch.float32)
+    assert torch.equal(got, ref)  # one multiply per value on both paths: identical
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
