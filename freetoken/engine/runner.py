@@ -1,15 +1,26 @@
 """The model runner: owns the KV tensors, builds the ForwardContext, runs the model.
 
 Input of a step: the scheduled requests and how many tokens each feeds. Output: float32
-logits `[S, V]`, one row per request that samples this step, in batch order.
+logits `[S, V]`, one row per request that samples this step, in batch order (on the device:
+the caller reads back only the sampled ids).
+
+`prepare` builds a step's metadata with numpy over whole arrays (no loop per token), packs it
+into one int64 host buffer (pinned on CUDA) and sends it in one non-blocking copy. Pure-decode
+steps on CUDA replay a captured graph (`freetoken.engine.cuda_graph`); the rest run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+from itertools import chain
+
+import numpy as np
 import torch
 
 from freetoken.engine.context import ForwardContext
 from freetoken.engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_page(model, page_size: int, dtype: torch.dtype) -> int:
@@ -23,27 +34,56 @@ def has_recurrent_state(model) -> bool:
     return bool(getattr(model, "state_shapes", lambda: [])())
 
 
+def new_token_ids(req, start: int, n: int) -> list[int]:
+    """Tokens [start, start + n) of prompt + output, without joining the two lists."""
+    prompt, p = req.prompt_token_ids, len(req.prompt_token_ids)
+    if start >= p:
+        return req.output_token_ids[start - p:start - p + n]
+    if start + n <= p:
+        return prompt[start:start + n]
+    return prompt[start:] + req.output_token_ids[:start + n - p]
+
+
 class ModelRunner:
     def __init__(
         self, model, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-        num_state_slots: int = 0,
+        num_state_slots: int = 0, *, max_model_len: int | None = None,
+        cuda_graph_max_bs: int = 0,
     ) -> None:
+        """`cuda_graph_max_bs` > 0 on a CUDA device: capture decode graphs for batches up to
+        that size now, at start-up (0, or a CPU device: every step runs eagerly)."""
         self.model = model
         self.page_size = page_size
-        self.device = device
+        self.device = torch.device(device)
         # One [2, num_pages, page_size, n_kv, d] tensor per attention layer (K = 0, V = 1).
         self.kv_caches = [
             torch.zeros(2, num_pages, page_size, h, d, dtype=dtype, device=device)
             for h, d in model.kv_cache_shapes()
         ]
-        # Recurrent-state pools (one slot per running request) for linear-attention layers.
+        # Recurrent-state pools (one slot per running request) for linear-attention layers,
+        # plus one scratch slot (the last) that padded rows of a captured batch write.
         self.states: list = []
         self.free_slots: list[int] = []
+        self.scratch_slot = num_state_slots
         if has_recurrent_state(model):
             from freetoken.layers.gdn import alloc_states
 
-            self.states = alloc_states(model.state_shapes(), num_state_slots, device)
+            self.states = alloc_states(model.state_shapes(), num_state_slots + 1, device)
             self.free_slots = list(range(num_state_slots - 1, -1, -1))
+        self.graphs = None
+        if cuda_graph_max_bs > 0 and self.device.type == "cuda":
+            self._capture(cuda_graph_max_bs, max_model_len or num_pages * page_size)
+
+    def _capture(self, max_bs: int, max_model_len: int) -> None:
+        from freetoken.engine.cuda_graph import CudaGraphRunner
+
+        graphs = CudaGraphRunner(self, max_bs, -(-max_model_len // self.page_size))
+        try:
+            graphs.capture()
+        except Exception:  # noqa: BLE001 - graphs are an optimisation: run eagerly instead
+            logger.exception("CUDA graph capture failed; decode runs eagerly")
+            return
+        self.graphs = graphs
 
     def release_state(self, req) -> None:
         """Give a request's state slot back (finished, aborted or preempted; idempotent)."""
@@ -51,54 +91,73 @@ class ModelRunner:
             self.free_slots.append(req.state_slot)
             req.state_slot = None
 
-    def _state_slots(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def _state_slots(self, batch: ScheduledBatch) -> list[int]:
         if not self.states:
-            return None
+            return []
         for req in batch.requests:
             if req.state_slot is None:  # NOTE: slots = max running requests, so one is free
                 req.state_slot = self.free_slots.pop()
-        return torch.tensor([r.state_slot for r in batch.requests], dtype=torch.long,
-                            device=self.device)
+        return [r.state_slot for r in batch.requests]
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         ctx, input_ids = self.prepare(batch)
+        if self.graphs is not None and self.graphs.can_run(ctx):
+            return self.graphs.run(input_ids, ctx)
+        return self.run_model(input_ids, ctx)
+
+    def run_model(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.model.forward(input_ids, ctx)  # [T, H]
         return self.model.compute_logits(hidden[ctx.logits_indices]).float()  # [S, V]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardContext, torch.Tensor]:
         """Flatten the batch's new tokens and describe their place in the paged KV cache."""
-        ps = self.page_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        logits_rows: list[int] = []
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new)):
-            start, end = req.num_computed, req.num_computed + n
-            ids += req.all_token_ids[start:end]
-            positions += range(start, end)
-            slots += [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
-            if batch.samples(i):
-                logits_rows.append(cu[-1] - 1)
-        max_pages = max(len(r.pages) for r in batch.requests)
-        table = [r.pages + [0] * (max_pages - len(r.pages)) for r in batch.requests]
-        dev = self.device
+        ps, reqs = self.page_size, batch.requests
+        b = len(reqs)
+        n = np.asarray(batch.num_new, dtype=np.int64)
+        start = np.fromiter((r.num_computed for r in reqs), np.int64, b)
+        total = np.fromiter((r.num_tokens for r in reqs), np.int64, b)
+        cu = np.zeros(b + 1, np.int64)
+        np.cumsum(n, out=cu[1:])
+        seq = np.repeat(np.arange(b), n)  # [T] sequence of each token
+        positions = np.arange(cu[-1]) - cu[:-1][seq] + start[seq]
+        width = max(len(r.pages) for r in reqs)
+        table = np.zeros((b, width), np.int64)
+        for i, r in enumerate(reqs):
+            table[i, :len(r.pages)] = r.pages
+        slots = table[seq, positions // ps] * ps + positions % ps
+        logits_rows = cu[1:][start + n == total] - 1
+        ids = np.fromiter(chain.from_iterable(
+            new_token_ids(r, s, k) for r, s, k in zip(reqs, start.tolist(), n.tolist())),
+            np.int64, int(cu[-1]))
+        state_slots = self._state_slots(batch)
+        seq_lens = start + n
+        parts = [ids, positions, slots, logits_rows, np.asarray(state_slots, np.int64), cu,
+                 seq_lens, table.reshape(-1)]
+        dev = self._upload(np.concatenate(parts)).split([len(p) for p in parts])
+        cu_list, lens_list = cu.tolist(), seq_lens.tolist()
         ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            positions=dev[1],
+            cu_seqlens_q=dev[5].to(torch.int32),
+            seq_lens=dev[6].to(torch.int32),
+            page_table=dev[7].to(torch.int32).reshape(b, width),
+            slot_mapping=dev[2],
+            logits_indices=dev[3],
             page_size=ps,
             kv_caches=self.kv_caches,
-            cu_seqlens_q_list=cu,
-            seq_lens_list=seq_lens,
-            state_slots=self._state_slots(batch),
+            state_slots=dev[4] if self.states else None,
             recurrent_states=self.states,
+            cu_seqlens_q_list=cu_list,
+            seq_lens_list=lens_list,
+            state_slots_list=state_slots,
+            max_seqlen_q=int(n.max()),
         )
-        return ctx, torch.tensor(ids, dtype=torch.long, device=dev)
+        return ctx, dev[0]
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """One host -> device copy. On CUDA from pinned memory, non-blocking: the caching host
+        allocator keeps the pinned block until the copy has run, so nothing waits here."""
+        t = torch.from_numpy(host)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)

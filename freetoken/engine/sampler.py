@@ -87,3 +87,101 @@ def check_late(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
     if params.temperature != 0 and params.temperature < 1e-5:
         raise ValueError(f"temperature {params.temperature} is too small; use 0 for greedy")
+
+
+# ---- batched sampling on the device ----------------------------------------------------------
+# Rows without penalties or logprobs are sampled together by tensor ops over [S, V], with no
+# host sync until the caller reads the ids. A draw is the Gumbel-max trick: argmax of the
+# filtered logits / T plus Gumbel noise, which picks token i with probability p_i exactly. The
+# noise is a counter-based hash of (request seed, step, token id), so a seeded request draws
+# the same tokens alone or in any batch, and no per-request generator state is needed.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def batchable(params: SamplingParams) -> bool:
+    """Whether `sample_batch` can sample this request (no penalties, no logprobs)."""
+    return (params.repetition_penalty == 1.0 and not params.frequency_penalty
+            and not params.presence_penalty and params.logprobs is None)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (multiplication wraps around, as in C)."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [S, V] (float32) from int64 seeds [S] and steps [S]."""
+    row = _mix(_mix(seeds) ^ steps)[:, None]  # [S, 1]
+    ids = torch.arange(vocab, dtype=torch.long, device=seeds.device)[None, :]
+    bits = _shr(_mix(row + ids * _GOLDEN), 11)  # 53 random bits
+    u = (bits.double() + 0.5) * 2.0**-53  # (0, 1)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature-scaled logits [S, V] with top-k, top-p, min-p (per row, as in
+    `probs_from_logits`) applied as -inf; a row's limit that is off changes nothing."""
+    vocab = x.shape[1]
+    srt, order = torch.sort(x, dim=-1, descending=True)
+    on = (top_k > 0) & (top_k < vocab)
+    kth = srt.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])  # [S, 1]
+    kth = torch.where(on[:, None], kth, torch.full_like(kth, float("-inf")))
+    srt = srt.masked_fill(srt < kth, float("-inf"))  # ties with the k-th are kept
+    probs = torch.softmax(srt, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+    drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # cumsum may round past 1
+    drop |= probs < min_p[:, None] * probs[:, :1]
+    srt = srt.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, srt)
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 steps: list[int]) -> torch.Tensor:
+    """Token ids int64 [S] (on logits' device) for rows that are all `batchable`.
+
+    Greedy rows take the argmax; the others temperature -> top-k -> top-p -> min-p -> a draw
+    keyed by (seed, step). Launches only device work: the ids stay on the device."""
+    dev = logits.device
+    greedy = torch.argmax(logits, dim=-1)
+    if all(p.greedy for p in params):
+        return greedy
+    temp = _upload([p.temperature or 1.0 for p in params], torch.float32, dev)
+    x = logits.float() / temp[:, None]
+    if any(0 < p.top_k < x.shape[1] or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        lim = _upload([[p.top_p, p.min_p] for p in params], torch.float32, dev)
+        k = _upload([p.top_k for p in params], torch.long, dev)
+        x = filter_logits(x, k, lim[:, 0], lim[:, 1])
+    ints = _upload([seeds, steps], torch.long, dev)
+    drawn = torch.argmax(x + gumbel_noise(ints[0], ints[1], x.shape[1]), dim=-1)
+    is_greedy = _upload([p.greedy for p in params], torch.bool, dev)
+    return torch.where(is_greedy, greedy, drawn)
+
+
+def read_ids(ids: torch.Tensor) -> list[int]:
+    """The step's one host sync: device ids -> a pinned buffer (non-blocking), wait for that
+    copy's event alone, then a list."""
+    if not ids.is_cuda:
+        return ids.tolist()
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()
