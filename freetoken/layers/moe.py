@@ -11,6 +11,7 @@ Scoring (logits are computed in fp32 from the router's float weight):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,27 @@ def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
     return ids, w
 
 
+_HOST_BANKS = False  # set by host_banks(): finalize() keeps the banks in host memory
+
+
+@contextlib.contextmanager
+def host_banks(on: bool = True):
+    """While loading: keep routed-expert banks in host memory rather than on the device (the
+    offload, hybrid and cpu backends put only a slot cache on the device; moe/runtime.py)."""
+    global _HOST_BANKS
+    old, _HOST_BANKS = _HOST_BANKS, on
+    try:
+        yield
+    finally:
+        _HOST_BANKS = old
+
+
 class FusedExperts(nn.Module):
     """The routed experts of one layer: an ExpertBank filled by the loader.
 
-    `part_names`: the per-expert module names in HF checkpoints (gate, up, down).
+    `part_names`: the per-expert module names in HF checkpoints (gate, up, down). `backend`
+    starts as spec.backend's function; moe/runtime.py replaces it after loading for the
+    offload, hybrid and cpu backends (the model file never chooses).
     """
 
     def __init__(self, spec: MoESpec, part_names: tuple[str, str, str] = (
@@ -88,7 +106,7 @@ class FusedExperts(nn.Module):
         self.bank = self._check(bank_from_merged(gate_up, down))
 
     def finalize(self, dtype: torch.dtype, device) -> None:
-        self.bank = self.bank.to(dtype, device)
+        self.bank = self.bank.to(dtype, "cpu" if _HOST_BANKS else device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return self.backend(x, self.bank, ids, w, self.spec.activation)

@@ -1,0 +1,157 @@
+"""The offload, cpu and hybrid backends: routed experts in host banks, a slot cache on the
+device, misses fetched into slots or computed by the CPU executor.
+
+One `ExpertCache` serves every MoE layer of a model (one slot pool, one executor); each
+layer's FusedExperts calls `LayerBackend`, which has the MoEFn signature of backends.py. Per
+layer call, with M missing experts (distinct experts the call routes to that no slot holds):
+- offload: F = M (all fetched; misses beyond the slots this call may evict go to the CPU);
+- cpu: F = 0 (every miss to the CPU executor);
+- hybrid: F = round(q* M), capped by --moe-hybrid-max-fetch (policy.py).
+The device computes the hits and the fetched experts with the fused MoE kernel reading slots
+through the map (`fused_moe(..., expert_map=)`, -1 = not on the device); the CPU computes the
+routes of the other misses from the host banks; the two partial sums are added.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from freetoken.kernels.moe import fused_moe
+from freetoken.moe.banks import ExpertBank
+from freetoken.moe.host_banks import executor_bank
+from freetoken.moe.slot_cache import SlotCache
+
+logger = logging.getLogger(__name__)
+CACHE_BACKENDS = ("offload", "hybrid", "cpu")
+
+
+class ExpertCache:
+    """Slot cache + CPU executor + split policy for all MoE layers of one model.
+
+    hosts: the layers' host banks; fetch_limit(misses) -> how many to fetch (device tensor op).
+    """
+
+    def __init__(self, hosts: list[ExpertBank], num_slots: int, device: torch.device,
+                 fetch_limit: Callable, cpu_threads: int | None = None):
+        self.hosts = hosts
+        self.cache = SlotCache(hosts, num_slots, device)
+        self.cache.warm(hosts)
+        self.fetch_limit = fetch_limit
+        self.device = torch.device(device)
+        self.fetch_all = getattr(fetch_limit, "q", 0.0) is None  # offload: nothing to the CPU
+        self._exec_banks: list[ExpertBank | None] = [executor_bank(h) for h in hosts]
+        self._cpu_threads = cpu_threads
+        self._executor = None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        for i, b in enumerate(self._exec_banks):
+            if b is None:
+                logger.warning("MoE layer %d: the CPU executor has no kernel for experts in %s "
+                               "(ggml type %s): its CPU-computed misses run the torch "
+                               "reference on the host", i, hosts[i].w13.fmt,
+                               hosts[i].w13.ggml_type)
+
+    @property
+    def executor(self):
+        """The CPU executor, started on first use (a persistent thread pool)."""
+        if self._executor is None:
+            from freetoken.moe.cpu_executor import CpuMoeExecutor
+
+            self._executor = CpuMoeExecutor(self._cpu_threads)
+            logger.info("CPU MoE executor: %s", self._executor)
+        return self._executor
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                activation: str) -> torch.Tensor:
+        """One layer call: plan (device), fetch, compute hits + fetched on the device and the
+        rest on the CPU, sum."""
+        c = self.cache
+        fetched = c.plan(layer, ids, self.fetch_limit)
+        c.fill(layer, self.hosts[layer], fetched, self.stream)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        emap = c.expert_map(layer)
+        y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
+        if self.fetch_all:
+            return self._more_rounds(layer, x, ids, w, emap, y, activation)
+        cpu = self._cpu_part(layer, x, ids, w, emap, activation)
+        if cpu is not None:
+            y = (y.float() + cpu.to(y.device)).to(x.dtype)
+        return y
+
+    def _more_rounds(self, layer: int, x, ids, w, emap, y, activation: str) -> torch.Tensor:
+        """offload when a call's misses outnumber the slots it may evict (a small cache, a
+        prefill): fetch and compute the rest round by round; each round may evict the last
+        round's slots, whose routes are done. Exact: every route runs the device kernel.
+
+        NOTE: a host loop (one sync a round); a prefill should stream whole banks instead."""
+        c = self.cache
+        left = emap.long()[ids.long()] < 0  # [T, k] routes not computed yet
+        y = y.float()
+        while bool(left.any()):
+            sub = ids[left].reshape(-1, 1)
+            fetched = c.plan(layer, sub, self.fetch_limit, count=False)
+            c.fill(layer, self.hosts[layer], fetched, self.stream)
+            if self.stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            mine = torch.zeros(c.num_experts, dtype=torch.bool, device=ids.device)
+            mine[sub.flatten().long()] = True
+            emap = torch.where(mine, c.expert_map(layer), -1).to(torch.int32)
+            y += fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap).float()
+            left &= emap.long()[ids.long()] < 0
+        return y.to(x.dtype)
+
+    def _cpu_part(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                  emap: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """fp32 [T, H] of the routes whose expert has no slot, or None when there are none.
+
+        NOTE: reads the routes on the host (a sync on a GPU); the CUDA-graph hand-off (a
+        host function on the stream) is not built yet."""
+        on_cpu = (emap.long()[ids.long()] < 0).cpu()  # [T, k]
+        if not bool(on_cpu.any()):
+            return None
+        rows, ids_c, w_c = _compact(on_cpu, ids.cpu(), w.float().cpu())
+        xh = x[rows.to(x.device)].float().cpu().contiguous()
+        bank = self._exec_banks[layer]
+        if bank is None:  # no executor kernel: the torch reference on the host bank
+            part = fused_moe(xh, self.hosts[layer], ids_c, w_c, activation).float()
+        else:
+            part = self.executor.forward(xh, ids_c, w_c.contiguous(), bank.w13, bank.w2,
+                                         bank.scales, activation)
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+        out[rows] = part
+        return out
+
+    def counters(self) -> dict[str, int]:
+        """Totals since load: hits, misses, fetched and cpu (distinct experts per layer call)."""
+        return self.cache.read_counters()
+
+
+def _compact(on_cpu: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Only the CPU's routes, for the executor (which computes every route it is given):
+    tokens with at least one such route, k' = their most such routes; padding repeats the
+    token's first CPU expert with weight 0 (no extra weight bytes read)."""
+    rows = on_cpu.any(dim=1).nonzero().flatten()
+    m = on_cpu[rows]  # [R, k]
+    kk = int(m.sum(dim=1).max())
+    order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :kk]  # CPU routes first
+    ids_c = ids[rows].gather(1, order)
+    keep = m.gather(1, order)
+    first = ids_c[:, :1].expand_as(ids_c)
+    ids_c = torch.where(keep, ids_c, first).to(torch.int32).contiguous()
+    w_c = torch.where(keep, w[rows].gather(1, order), torch.zeros(()))
+    return rows, ids_c, w_c
+
+
+class LayerBackend:
+    """The MoEFn of one layer: (x, bank, ids, w, activation) -> y; `bank` is ignored (the
+    layer's experts are in the cache's host bank and slots)."""
+
+    def __init__(self, cache: ExpertCache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __call__(self, x, bank, topk_ids, topk_weights, activation):
+        return self.cache.forward(self.layer, x, topk_ids, topk_weights, activation)

@@ -1,0 +1,140 @@
+"""Applying a MoE backend to a loaded model (gpt-fast style: the model file never chooses).
+
+`configure_moe(model, config, device)` resolves `auto`, sizes the slot cache, builds the host
+banks and sets each FusedExperts module's backend. It returns a `MoERuntime` (None for fused)
+whose counters feed /metrics and the decode log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+
+import torch
+
+from freetoken.layers.moe import FusedExperts
+from freetoken.moe.expert_cache import CACHE_BACKENDS, ExpertCache, LayerBackend
+from freetoken.moe.host_banks import bank_bytes, host_bank
+from freetoken.moe.policy import expert_format, fetch_policy, find_profile, num_slots
+from freetoken.moe.slot_cache import slot_bytes
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+DEVICE_RESERVE = 2 * GiB  # left free on a GPU beside the slots (activations, graphs)
+
+
+def expert_modules(model) -> list[FusedExperts]:
+    return [m for m in model.modules() if isinstance(m, FusedExperts)]
+
+
+def _free_device_bytes(device: torch.device, kv_bytes: int) -> int | None:
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(0, free - kv_bytes - DEVICE_RESERVE)
+
+
+def choose_backend(config, mods: list[FusedExperts], device: torch.device) -> tuple[str, str]:
+    """(backend, why) for config.moe_backend, resolving auto and the no-GPU case."""
+    name = config.moe_backend
+    if name != "auto":
+        return name, f"--moe-backend {name}"
+    if device.type != "cuda":
+        return "fused", "auto: every expert fits (the device is the CPU: host memory)"
+    need = sum(bank_bytes(m.bank) for m in mods)
+    free = _free_device_bytes(device, config.kv_cache_mb << 20) or 0
+    if need <= free:
+        return "fused", f"auto: every expert fits ({need / GiB:.1f} GiB of {free / GiB:.1f} free)"
+    prof = find_profile(expert_format(mods[0].bank))
+    if prof is None:
+        return "hybrid", (f"auto: experts ({need / GiB:.1f} GiB) exceed the device's "
+                          f"{free / GiB:.1f} GiB and no ft bench bw profile exists: hybrid "
+                          "with a small fixed fetch cap")
+    rec = prof.get("recommended", "hybrid")
+    return rec, f"auto: experts exceed the device; the ft bench bw profile recommends {rec}"
+
+
+def configure_moe(model, config, device: torch.device):
+    """Set every FusedExperts' backend from `config`; returns a MoERuntime or None (fused)."""
+    mods = expert_modules(model)
+    if not mods:
+        return None
+    device = torch.device(device)
+    backend, why = choose_backend(config, mods, device)
+    logger.info("MoE backend %s (%s)", backend, why)
+    if backend == "fused":
+        _to_device(mods, device)
+        return None
+    if device.type != "cuda":
+        logger.info("MoE backend %s without a GPU: the CPU stands in as the device (the slot "
+                    "cache lives in host memory, fetches are host copies)", backend)
+    return MoERuntime(model, mods, config, device, backend)
+
+
+def _to_device(mods: list[FusedExperts], device: torch.device) -> None:
+    """fused after a host-bank load (auto chose it): move the banks onto the device."""
+    for m in mods:
+        if m.bank.w13.data.device != device:
+            w = m.bank.w13
+            m.bank = m.bank.to(w.data.dtype if w.is_float else torch.float32, device)
+
+
+class MoERuntime:
+    """The cache backends of one model, their counters and the decode log line."""
+
+    def __init__(self, model, mods: list[FusedExperts], config, device: torch.device,
+                 backend: str):
+        assert backend in CACHE_BACKENDS, backend
+        self.backend = backend
+        pin = device.type == "cuda"
+        hosts = [host_bank(m.bank, pin) for m in mods]
+        spec = mods[0].spec
+        total = len(mods) * spec.num_experts
+        per_slot = max(slot_bytes(h) for h in hosts)
+        free = _free_device_bytes(device, config.kv_cache_mb << 20)
+        fits = total if free is None else free // per_slot
+        self.num_slots, sizing = num_slots(total, spec.top_k, config.moe_cache_size,
+                                           config.moe_cache_rate, fits)
+        prof = find_profile(expert_format(hosts[0])) if backend == "hybrid" else None
+        self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof)
+        self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
+                                 config.moe_cpu_threads)
+        for i, m in enumerate(mods):
+            m.bank = hosts[i]
+            m.backend = LayerBackend(self.cache, i)
+        self._report(hosts, total, sizing, device)
+        self.log_interval = getattr(config, "decode_log_interval", 0) or 0
+        self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
+        self._last = self.counters()
+
+    def _report(self, hosts, total: int, sizing: str, device: torch.device) -> None:
+        host = sum(bank_bytes(h) for h in hosts)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
+        dev = (f", device memory {torch.cuda.memory_allocated(device) / GiB:.2f} GiB allocated"
+               if device.type == "cuda" else "")
+        logger.info("MoE %s: %d of %d experts in %d slots of %.2f MiB (%s): slot cache %.2f GiB "
+                    "on %s; host banks %.2f GiB, peak host memory %.2f GiB%s; %s", self.backend,
+                    self.num_slots, total, self.num_slots, self.cache.cache.slot_bytes / 2**20,
+                    sizing, self.cache.cache.nbytes / GiB, device, host / GiB, peak, dev,
+                    self.policy.why)
+
+    def counters(self) -> dict[str, int]:
+        return self.cache.counters()
+
+    def after_step(self, num_tokens: int, decode: bool) -> None:
+        """Count a step; every log_interval decode steps log speed and the expert cache."""
+        if not decode or self.log_interval <= 0:
+            return
+        self._steps += 1
+        self._tokens += num_tokens
+        if self._steps % self.log_interval:
+            return
+        now, c = time.perf_counter(), self.counters()
+        d = {k: c[k] - self._last[k] for k in c}
+        seen = d["hits"] + d["misses"]
+        logger.info("decode: %.1f tokens/s over %d steps; experts: hit rate %.2f (%d of %d), "
+                    "fetched %d, CPU %d (%.1f / %.1f per step)", self._tokens / (now - self._t0),
+                    self.log_interval, d["hits"] / max(1, seen), d["hits"], seen, d["fetched"],
+                    d["cpu"], d["fetched"] / self.log_interval, d["cpu"] / self.log_interval)
+        self._tokens, self._t0, self._last = 0, now, c

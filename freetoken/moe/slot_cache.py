@@ -1,0 +1,226 @@
+"""The expert slot cache (DESIGN.md): one pool of slots on the device for every MoE layer.
+
+A slot holds one expert: its `w13` rows, its `w2` rows (and their block scales) and its
+`scales` row. Layers may differ in format (a Q4_K_M file keeps some layers' down experts in
+Q6_K; the tiny test GGUFs mix Q4_K and MXFP4), so the pool is raw bytes, `uint8 [S, slot]`,
+`slot` the largest layer's expert, and each layer views it through its own layout: a pool
+`ExpertBank` whose weights are strided views `[S, ...]` of the same bytes.
+
+The bookkeeping lives on the device as tensors, updated by tensor ops only, so that a decode
+step needs no host sync to decide hits, victims and the map (a CUDA graph can hold it):
+- `slot_of` int32 `[L*E + 1]`: (layer, expert) -> slot or -1; the last entry is a sink that
+  masked writes go to (fixed shapes instead of data-dependent ones);
+- `owner` int64 `[S + 1]`: slot -> layer * E + expert or -1 (last entry: sink);
+- `last_use` int64 `[S + 1]`: the clock of the slot's last use (LRU); -1 = empty;
+- `clock` int64 `[1]`: advanced once per layer call. A slot whose last_use equals the clock
+  is used by the current call and is never evicted by it.
+Counters (int64 `[4]`: hits, misses, fetched, cpu; distinct experts per layer call) are read by
+the host only when it logs or serves /metrics.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.formats.qweight import QuantWeight
+from freetoken.moe.banks import ExpertBank
+
+ALIGN = 256  # bytes: every part of a slot starts on a 256-byte boundary (GPU loads, dtype views)
+COUNTERS = ("hits", "misses", "fetched", "cpu")
+_NEVER = torch.iinfo(torch.int64).max
+
+
+def _round(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of an expert inside a slot: bytes [offset, offset + nbytes)."""
+
+    name: str  # w13.data | w13.scales | w2.data | w2.scales | scales
+    offset: int
+    shape: tuple[int, ...]  # one expert's shape
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def bank_tensors(bank: ExpertBank) -> dict[str, torch.Tensor]:
+    """The bank's per-expert tensors `[E, ...]` by part name (block scales where present)."""
+    out = {"w13.data": bank.w13.data, "w2.data": bank.w2.data, "scales": bank.scales}
+    if bank.w13.scales is not None:
+        out["w13.scales"] = bank.w13.scales
+    if bank.w2.scales is not None:
+        out["w2.scales"] = bank.w2.scales
+    return out
+
+
+def layout(bank: ExpertBank) -> list[Part]:
+    """Where each of one expert's tensors sits in a slot."""
+    parts, off = [], 0
+    for name, t in bank_tensors(bank).items():
+        p = Part(name, off, tuple(t.shape[1:]), t.dtype)
+        parts.append(p)
+        off = _round(off + p.nbytes)
+    return parts
+
+
+def slot_bytes(bank: ExpertBank) -> int:
+    last = layout(bank)[-1]
+    return _round(last.offset + last.nbytes)
+
+
+def _view(pool: torch.Tensor, p: Part) -> torch.Tensor:
+    """[S, *p.shape] view of part p in every slot of the byte pool [S, slot]."""
+    raw = pool[:, p.offset:p.offset + p.nbytes]
+    return raw.view(p.dtype).view(pool.shape[0], *p.shape)
+
+
+class SlotCache:
+    """Slots for the experts of every layer; see the module docstring.
+
+    banks: one host ExpertBank per MoE layer (the layout of each layer's slots comes from it);
+    num_slots: the pool size; device: where the pool and the bookkeeping live.
+    """
+
+    def __init__(self, banks: list[ExpertBank], num_slots: int, device: torch.device):
+        self.device = torch.device(device)
+        self.num_layers = len(banks)
+        self.num_experts = banks[0].num_experts
+        if any(b.num_experts != self.num_experts for b in banks):
+            raise ValueError("slot cache: every MoE layer must have the same expert count, got "
+                             f"{sorted({b.num_experts for b in banks})}")
+        self.num_slots = num_slots
+        self.layouts = [layout(b) for b in banks]
+        self.slot_bytes = max(slot_bytes(b) for b in banks)
+        # Zeros: a slot that was never filled still decodes to finite weights (0 * weight = 0).
+        self.pool = torch.zeros(num_slots, self.slot_bytes, dtype=torch.uint8, device=device)
+        self.views = [self._pool_bank(b, lay) for b, lay in zip(banks, self.layouts)]
+        L, E, S = self.num_layers, self.num_experts, num_slots
+        self.slot_of = torch.full((L * E + 1,), -1, dtype=torch.int32, device=device)
+        self.owner = torch.full((S + 1,), -1, dtype=torch.int64, device=device)
+        self.last_use = torch.full((S + 1,), -1, dtype=torch.int64, device=device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel()
+
+    def _pool_bank(self, bank: ExpertBank, lay: list[Part]) -> ExpertBank:
+        """The layer's view of the pool as an ExpertBank of S experts."""
+        v = {p.name: _view(self.pool, p) for p in lay}
+        S = self.num_slots
+
+        def qw(w: QuantWeight, key: str) -> QuantWeight:
+            return QuantWeight(v[f"{key}.data"], w.fmt, (S, *w.shape[1:]),
+                               scales=v.get(f"{key}.scales"), ggml_type=w.ggml_type,
+                               source=w.source)
+
+        return ExpertBank(qw(bank.w13, "w13"), qw(bank.w2, "w2"), v["scales"])
+
+    # -- decisions (device tensor ops, no host sync) -----------------------------------------
+    def plan(self, layer: int, ids: torch.Tensor, fetch_limit, count: bool = True
+             ) -> torch.Tensor:
+        """Look up layer `layer`'s experts of `ids` [T, k], mark the hits used, and give slots
+        to up to `fetch_limit` missing experts (an int or a 0-dim device tensor computed from
+        the miss count by `fetch_limit(misses)` when callable), evicting the least recently
+        used slots that this call does not use.
+
+        Returns `fetched` int64 [2, n] (expert, slot) rows with -1 where nothing is fetched
+        (fixed n = min(E, T*k)); the map (layer's experts -> slot or -1) is `expert_map(layer)`.
+        count=False: a later round of the same call (offload's, when its misses outnumber the
+        slots): its fetches move experts from the cpu counter to the fetched one.
+        """
+        E, S = self.num_experts, self.num_slots
+        base = layer * E
+        self.clock += 1
+        flat = ids.reshape(-1).long()
+        counts = torch.zeros(E, dtype=torch.int64, device=ids.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        used = counts > 0
+        cur = self.slot_of[base:base + E].long()
+        hit, miss = used & (cur >= 0), used & (cur < 0)
+        # touch the hits: last_use = clock (masked rows write to the sink S)
+        self.last_use.index_put_((torch.where(hit, cur, S),), self.clock.expand(E))
+        n = min(E, flat.numel())
+        score = torch.where(miss, counts, -1)  # misses first, the most-routed first
+        cand_score, cand = torch.topk(score, n)
+        n_miss = (cand_score > 0).sum()
+        # victims: the oldest slots this call does not use (hits were just stamped)
+        protected = self.last_use[:S] == self.clock
+        key = torch.where(protected, _NEVER, self.last_use[:S])
+        nv = min(n, S)
+        victims = torch.topk(key, nv, largest=False).indices
+        limit = fetch_limit(n_miss) if callable(fetch_limit) else fetch_limit
+        f = torch.minimum(torch.minimum(n_miss, (~protected).sum()),
+                          torch.as_tensor(limit, device=ids.device).clamp(0, nv))
+        fetch = torch.arange(n, device=ids.device) < f
+        vict = victims[torch.arange(n, device=ids.device).clamp(max=nv - 1)]
+        self._assign(base + cand, vict, fetch)
+        if count:
+            self.counters += torch.stack([hit.sum(), miss.sum(), f, n_miss - f])
+        else:
+            self.counters += torch.stack([torch.zeros_like(f), torch.zeros_like(f), f, -f])
+        return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
+
+    def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor) -> None:
+        """slot_of[keys] = slots where fetch, evicting the slots' old owners."""
+        S, sink = self.num_slots, self.slot_of.numel() - 1
+        old = self.owner[torch.where(fetch, slots, S)]
+        gone = torch.where(fetch & (old >= 0), old, sink)
+        self.slot_of.index_put_((gone,), torch.full_like(gone, -1, dtype=torch.int32))
+        self.owner.index_put_((torch.where(fetch, slots, S),), keys)
+        self.slot_of.index_put_((torch.where(fetch, keys, sink),), slots.to(torch.int32))
+        self.last_use.index_put_((torch.where(fetch, slots, S),), self.clock.expand_as(slots))
+
+    def warm(self, hosts: list[ExpertBank]) -> None:
+        """Fill every slot at load, spread evenly over the layers (expert j of layer l in slot
+        j * L + l), so the first steps and the cpu backend, which never fetches, start with
+        hits."""
+        L, E = self.num_layers, self.num_experts
+        n = min(self.num_slots, L * E)
+        slots = torch.arange(n, device=self.device)
+        keys = (slots % L) * E + slots // L
+        self._assign(keys, slots, torch.ones(n, dtype=torch.bool, device=self.device))
+        for layer in range(L):
+            mine = slots[slots % L == layer]
+            self.fill(layer, hosts[layer], torch.stack([mine // L, mine]))
+
+    def expert_map(self, layer: int) -> torch.Tensor:
+        """int32 [E]: the layer's expert -> slot, -1 where not cached (a copy)."""
+        E = self.num_experts
+        return self.slot_of[layer * E:(layer + 1) * E].clone()
+
+    # -- data ----------------------------------------------------------------------------------
+    def fill(self, layer: int, host: ExpertBank, fetched: torch.Tensor,
+             stream: torch.cuda.Stream | None = None) -> int:
+        """Copy the fetched (expert, slot) rows' tensors from the host bank into their slots.
+        Returns the number of experts copied.
+
+        NOTE: this reads the fetched list on the host (one sync); a GPU gather kernel reading
+        the pinned host bank through the map would keep it inside a graph."""
+        rows = fetched[:, fetched[0] >= 0].cpu()
+        if rows.shape[1] == 0:
+            return 0
+        src = bank_tensors(host)
+        dst = {p.name: _view(self.pool, p) for p in self.layouts[layer]}
+        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
+        with ctx:
+            for e, s in rows.t().tolist():
+                for name, t in src.items():
+                    dst[name][s].copy_(t[e], non_blocking=True)
+        return rows.shape[1]
+
+    def read_counters(self) -> dict[str, int]:
+        return dict(zip(COUNTERS, self.counters.tolist()))
+

@@ -1,0 +1,189 @@
+"""The offload, cpu and hybrid MoE backends against fused, on the tiny MoE models, the CPU
+standing in as the device.
+
+Reference: the fused backend (the torch reference kernel, every expert resident) on the same
+loaded model. The dense weights are dequantized to fp32 once before decoding (in every run
+alike: only the routed experts differ between backends), which keeps 32 tokens cheap.
+
+- offload computes with the same torch kernel from slots, in another order of experts: the
+  same greedy tokens, 32 of them, batch 1 and 4.
+- cpu and hybrid compute misses with the CPU executor. On float banks its fp32 dots agree
+  with torch to ~1e-6: the same greedy tokens. On quantized banks (GGUF, NVFP4) it quantizes
+  activations to 8 bits (as llama.cpp does), so logits move by a few 1e-3 of their range and a
+  near-tie may flip: decoded teacher-forced on fused's tokens, the logits must stay within
+  QUANT_TOL of the logit range and the top-1 must agree wherever fused's top-2 margin exceeds
+  twice the observed difference (random tiny models have near-ties, see test_moe_llamacpp.py).
+- Counters: hits + misses = the distinct experts each layer call routes to (counted here from
+  the router's own ids), fetched + cpu = misses, and the quarter cache evicts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken.config import EngineConfig
+from freetoken.formats.dequant import dequantize
+from freetoken.formats.qweight import QuantWeight
+from freetoken.layers.embedding import Embedding
+from freetoken.layers.linear import Linear
+from freetoken.layers.moe import FusedExperts, SparseMoE
+from freetoken.models import load_model
+from freetoken.models.testing import SimpleKV, attach_states, pages_needed
+from freetoken.moe.runtime import configure_moe
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+TOKENS = 32
+QUANT_TOL = 0.05  # max |logit diff| / logit range, 8-bit activations on the CPU side
+PROMPTS = [[1, 450, 3000, 77, 900], [1, 12, 7000], [1, 3333, 44, 5], [1, 808, 9000, 21, 3, 64]]
+
+
+def gguf_source(arch: str) -> Path:
+    return DATA / f"tiny_{arch}_q4k-mxfp4.gguf"  # layer 0 experts Q4_K, layer 1 MXFP4
+
+
+def hf_source(arch: str) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_moe
+
+    return tiny_moe.hf_dir(arch)
+
+
+def nvfp4_source(arch: str) -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import tiny_moe
+
+    return tiny_moe.nvfp4_dir(arch)
+
+
+# (case id, path builder, quantized experts)
+CASES = {
+    "qwen3_moe-gguf": (lambda: gguf_source("qwen3_moe"), True),
+}
+
+
+def _float(w: QuantWeight) -> QuantWeight:
+    if w.is_float:
+        return w
+    return QuantWeight(dequantize(w).float().reshape(w.shape), "f32", w.shape, scale2=w.scale2,
+                       source=w.source)
+
+
+def float_dense(model) -> None:
+    """Dense weights (everything but routed experts) dequantized to fp32 once: the same numbers
+    for every backend, without re-decoding the TQ1_0 token table at every step."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.weights = [_float(w) for w in m.weights]
+        elif isinstance(m, Embedding):
+            m.weight = _float(m.weight)
+
+
+_LOADED: dict[str, tuple] = {}
+
+
+def load(case: str):
+    """A fresh model of the case (host banks are per model); the fused reference cached."""
+    model, _ = load_model(CASES[case][0](), show_progress=False)
+    float_dense(model)
+    return model
+
+
+class RouteCounter:
+    """Counts the distinct experts each SparseMoE call routes to (the truth for counters)."""
+
+    def __init__(self, model):
+        self.total = 0
+        for m in model.modules():
+            if isinstance(m, FusedExperts):
+                m.register_forward_pre_hook(self._hook)
+
+    def _hook(self, mod, args):
+        self.total += int(torch.unique(args[1]).numel())
+
+
+@torch.inference_mode()
+def decode(model, prompts: list[list[int]], n: int, forced: list[list[int]] | None = None
+           ) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """n greedy steps of a batch (prefill, then one token per sequence a step); with `forced`
+    the sequences continue with those tokens instead (teacher forcing). Returns the argmax
+    tokens [B][n] and the logits [B, V] of every step."""
+    B = len(prompts)
+    kv = SimpleKV(model.kv_cache_shapes(), pages_needed([len(p) + n for p in prompts], 16))
+    new, toks, logits_all, states = [list(p) for p in prompts], [[] for _ in prompts], [], None
+    for step in range(n):
+        ctx = kv.context([(i, len(t)) for i, t in enumerate(new)])
+        states = attach_states(model, ctx, B, states)
+        ids = torch.tensor([t for ts in new for t in ts])
+        logits = model.compute_logits(model(ids, ctx)[ctx.logits_indices])
+        logits_all.append(logits)
+        for i in range(B):
+            toks[i].append(int(logits[i].argmax()))
+        new = [[forced[i][step] if forced else toks[i][-1]] for i in range(B)]
+    return toks, logits_all
+
+
+_REF: dict[tuple[str, int], tuple] = {}
+
+
+def fused_reference(case: str, batch: int):
+    key = (case, batch)
+    if key not in _REF:
+        _REF[key] = decode(load(case), PROMPTS[:batch], TOKENS)
+    return _REF[key]
+
+
+def run_backend(case: str, backend: str, slots_per_expert: float, batch: int, teacher=None):
+    model = load(case)
+    E = next(m for m in model.modules() if isinstance(m, SparseMoE)).spec.num_experts
+    cfg = EngineConfig(moe_backend=backend, moe_cache_size=max(2, int(slots_per_expert * E)),
+                       moe_hybrid_max_fetch=1 if backend == "hybrid" else None)
+    rt = configure_moe(model, cfg, torch.device("cpu"))
+    routes = RouteCounter(model)
+    toks, logits = decode(model, PROMPTS[:batch], TOKENS, teacher)
+    return toks, logits, rt.counters(), routes.total, rt
+
+
+def check_counters(c: dict, routed: int, slots: int, total: int) -> None:
+    assert c["hits"] + c["misses"] == routed, (c, routed)
+    assert c["fetched"] + c["cpu"] == c["misses"], c
+    if slots >= total:
+        assert c["misses"] == 0, c  # the cache holds every expert from load on
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("rate", [2.0, 0.25], ids=["cache2x", "cache-quarter"])
+@pytest.mark.parametrize("backend", ["offload", "cpu", "hybrid"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_backend_matches_fused(case, backend, rate, batch):
+    ref_toks, ref_logits = fused_reference(case, batch)
+    quantized = CASES[case][1]
+    exact = backend == "offload" or not quantized
+    toks, logits, c, routed, rt = run_backend(case, backend, rate, batch,
+                                              None if exact else ref_toks)
+    total = rt.cache.cache.num_layers * rt.cache.cache.num_experts
+    check_counters(c, routed, rt.num_slots, total)
+    if rate < 1:
+        assert c["misses"] > 0
+        if backend != "cpu":
+            assert c["fetched"] > 0  # evictions happened: the cache is smaller than the experts
+    if backend == "cpu" and rate < 1:
+        assert c["cpu"] == c["misses"] > 0
+    if exact:
+        assert toks == ref_toks, f"{backend} parted from fused"
+        return
+    diff = max(float((a - b).abs().max()) for a, b in zip(logits, ref_logits))
+    span = max(float(r.max() - r.min()) for r in ref_logits)
+    assert diff <= QUANT_TOL * span, f"max |logit diff| {diff:.4f} of range {span:.2f}"
+    for step, (a, r) in enumerate(zip(logits, ref_logits)):
+        top = torch.topk(r, 2, dim=-1).values
+        sure = (top[:, 0] - top[:, 1]) > 2 * diff
+        agree = a.argmax(-1) == r.argmax(-1)
+        assert bool((agree | ~sure).all()), f"step {step}: top-1 differs with margin > 2*diff"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
