@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CACHE_TYPES = ("radix", "naive")
-MOE_BACKENDS = ("fused", "offload", "hybrid", "cpu")
+MOE_BACKENDS = ("auto", "fused", "offload", "hybrid", "cpu")
 DUMMY_FORMATS = ("bf16", "q4_k", "q8_0", "nvfp4", "mxfp4")
 
 
@@ -27,16 +27,19 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None  # HF dir overriding the model's own tokenizer
     chat_template: str | None = None  # a Jinja file overriding the model's template
-    moe_backend: str = "fused"
-    moe_cache_size: int | None = None
-    moe_cache_rate: float | None = None
-    moe_hybrid_max_fetch: int | None = None
+    # auto: fused when every expert fits on the device, else from the ft bench bw profile
+    moe_backend: str = "auto"
+    moe_cache_size: int | None = None  # slots of the expert cache (offload / hybrid / cpu)
+    moe_cache_rate: float | None = None  # or: a fraction of all routed experts
+    moe_hybrid_max_fetch: int | None = None  # per layer call; 0 = every miss to the CPU,
+    # None / -1 = from the profile
     moe_cpu_threads: int | None = None  # None = physical cores minus one
     dummy_weights: bool = False  # random weights made on the device (performance work)
     dummy_format: str = "bf16"  # weight format of --dummy-weights models
     dummy_layers: int | None = None  # shorten a --dummy-weights model to N layers
     cuda_graph_max_bs: int | None = None  # largest decode batch captured; None = max running
     disable_cuda_graph: bool = False
+    decode_log_interval: int = 40  # a decode log line every N decode steps (0 = none)
     show_progress: bool = True
 
     def __post_init__(self) -> None:
