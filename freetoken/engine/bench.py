@@ -63,9 +63,9 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None,
         dst = torch.empty_like(src)
         best = min(_timed(lambda: dst.copy_(src), device) for _ in range(repeats))
         return 2 * n / best / 1e9, f"device copy of {n >> 20} MiB, read + write"
-    n = nbytes or 1 << 30
+    n = nbytes or 512 << 20  # beyond any last-level cache
     x = torch.ones(n // 4, dtype=torch.float32)
-    best = min(_timed(x.sum, device) for _ in range(repeats))
+    best = min(_timed(x.sum, device) for _ in range(max(2, repeats // 2)))
     return n / best / 1e9, f"sum of a {n >> 20} MiB tensor, bytes read"
 
 
@@ -258,7 +258,12 @@ def main(config: EngineConfig, *, batches: list[int], prompt_len: int, tokens: i
                          "--warmup not negative")
     config = bench_config(config, batches, prompt_len, tokens, warmup,
                           prompt_lens if prefill else [])
-    engine = Engine(config)
+    from freetoken.models.dummy import IdTokenizer
+
+    # Prompts are token ids: no tokenizer is built (a GGUF's may be slow or unsupported).
+    tokenizer = IdTokenizer(1)
+    engine = Engine(config, tokenizer=tokenizer)
+    tokenizer.vocab_size = engine.model.config.vocab_size
     runner = Runner(engine)
     report = _describe(config, engine)
     print(", ".join(f"{k} {v}" for k, v in report.items()))

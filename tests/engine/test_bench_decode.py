@@ -1,0 +1,90 @@
+"""`ft bench decode` / `ft bench prefill` on the CPU with a small dummy model: the JSON has a
+row per batch size and prompt length, and the weight bytes per step equal the count made here
+by hand from the shapes and gguf's block sizes.
+
+The issue's command (`--model qwen3-30b-a3b --dummy-weights --dummy-format q4_k --dummy-layers 2
+--batch 1,4 --tokens 8`) runs too, but takes minutes on 2 cores: the CPU reference kernels
+dequantize the 151,936 x 2048 Q8_0 lm_head and every routed expert on every step. It runs
+here only with FREETOKEN_TEST_FULL_BENCH=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from freetoken.cli import main
+
+T = GGMLQuantizationType
+
+
+def _row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return cols // block * size
+
+
+def _expected_bytes(batch: int) -> int:
+    """tiny-qwen3-moe (dummy q4_k): 2 layers, hidden 256, 4 q / 2 kv heads of 64, 8 experts
+    top-2 of width 256, vocab 1024; attention and lm_head Q8_0, routers f32, experts Q4_K."""
+    q8 = _row_bytes(T.Q8_0, 256)
+    attn = (256 + 128 + 128 + 256) * q8  # qkv rows + o_proj rows, all 256 wide
+    router = 8 * 256 * 4
+    expert = (2 * 256 + 256) * _row_bytes(T.Q4_K, 256)  # gate + up rows, down rows
+    touched = 8 * (1 - (1 - 2 / 8) ** batch)  # distinct experts of uniform top-2 routing
+    return 2 * (attn + router + int(expert * touched)) + 1024 * q8 + batch * q8
+
+
+def _run(tmp_path, *args: str) -> dict:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", *args, "--model", "tiny-qwen3-moe", "--dummy-weights",
+               "--dummy-format", "q4_k", "--no-show-progress", "--json", str(out)])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_decode_json(tmp_path, capsys):
+    rep = _run(tmp_path, "decode", "--batch", "1,3", "--tokens", "3", "--prompt-len", "8",
+               "--warmup", "1")
+    assert [r["batch"] for r in rep["decode"]] == [1, 3]
+    for r in rep["decode"]:
+        assert r["steps"] == 3 and r["tokens_per_s"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_step"])
+        assert r["weight_bytes_per_step"] == pytest.approx(_expected_bytes(r["batch"]), abs=2)
+        assert r["roofline_pct"] == pytest.approx(
+            100 * r["weight_bytes_per_step"] / (r["ms_per_step"] / 1e3) / 1e9
+            / rep["bandwidth_gbps"])
+    assert rep["bandwidth_gbps"] > 0 and rep["device"] == "cpu" and rep["layers"] == 2
+    assert "% roofline" in capsys.readouterr().out
+
+
+def test_bench_prefill_json(tmp_path):
+    rep = _run(tmp_path, "prefill", "--prompt-lens", "16,48", "--warmup", "0")
+    assert [r["prompt_len"] for r in rep["prefill"]] == [16, 48]
+    assert all(r["tokens_per_s"] == pytest.approx(r["prompt_len"] / r["seconds"])
+               for r in rep["prefill"])
+    assert "decode" not in rep
+
+
+def test_bench_refuses_bad_sizes(tmp_path):
+    assert main(["bench", "decode", "--model", "tiny-llama", "--dummy-weights", "--batch", "0",
+                 "--no-show-progress"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("FREETOKEN_TEST_FULL_BENCH") != "1",
+                    reason="minutes on 2 cores; FREETOKEN_TEST_FULL_BENCH=1 runs it")
+def test_issue_command(tmp_path):
+    out = tmp_path / "full.json"
+    assert main(["bench", "decode", "--model", "qwen3-30b-a3b", "--dummy-weights",
+                 "--dummy-format", "q4_k", "--dummy-layers", "2", "--batch", "1,4", "--tokens",
+                 "8", "--json", str(out), "--no-show-progress"]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["batch"] for r in rep["decode"]] == [1, 4]
+    assert all(r["tokens_per_s"] > 0 for r in rep["decode"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
