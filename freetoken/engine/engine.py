@@ -41,6 +41,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    moe_experts: dict[str, int] | None = None  # expert cache totals (offload / hybrid / cpu)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -64,6 +65,9 @@ class Engine:
             model, tokenizer = self._load(config, tokenizer)
         self.model = model
         self.tokenizer = tokenizer
+        from freetoken.moe.runtime import configure_moe  # sets the MoE backend on the model
+
+        self.moe = configure_moe(model, config, self.device)
         num_pages = config.num_pages or max(
             1, (config.kv_cache_mb << 20) // kv_bytes_per_page(model, config.page_size, self.dtype)
         )
@@ -97,9 +101,13 @@ class Engine:
         if check_dummy_flags(config):  # --dummy-weights: random weights, token-id prompts
             return load_dummy_engine_model(config, self.dtype, self.device, tokenizer)
         path = resolve_model(config.model)
-        model, _ = load_model(
-            path, dtype=self.dtype, device=self.device, show_progress=config.show_progress
-        )
+        from freetoken.layers.moe import host_banks
+
+        # Only the fused backend puts every expert on the device; the others keep host banks.
+        with host_banks(self.device.type == "cuda" and config.moe_backend != "fused"):
+            model, _ = load_model(
+                path, dtype=self.dtype, device=self.device, show_progress=config.show_progress
+            )
         if tokenizer is None:
             tokenizer = Tokenizer.from_path(
                 path, tokenizer_dir=config.tokenizer, chat_template_file=config.chat_template
@@ -160,6 +168,8 @@ class Engine:
             if not batch:
                 return outputs
             logits = self._forward(batch)
+            if self.moe is not None:  # expert-cache counters and the decode log line
+                self.moe.after_step(sum(batch.num_new), all(n == 1 for n in batch.num_new))
             if logits is None:
                 return outputs + self._fail_batch(batch)
             sampled = self._sample(batch, logits)
@@ -244,6 +254,7 @@ class Engine:
                 prefix_cache_hit_tokens=self._counters["hit"],
                 prompt_tokens_total=self._counters["prompt"],
                 generation_tokens_total=self._counters["gen"],
+                moe_experts=self.moe.counters() if self.moe else None,
             )
 
     def running_status(self, request_id: str) -> Status | None:
