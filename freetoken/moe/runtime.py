@@ -123,7 +123,8 @@ class MoERuntime:
         return self.cache.counters()
 
     def after_step(self, num_tokens: int, decode: bool) -> None:
-        """Count a step; every log_interval decode steps log speed and the expert cache."""
+        """Count an engine step (called by the engine: a CUDA graph replay runs no Python in
+        the model); every log_interval decode steps log speed and the expert cache."""
         if not decode or self.log_interval <= 0:
             return
         self._steps += 1
