@@ -67,6 +67,8 @@ class Metrics:
             "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (total)",
             "prefix_cache_hit_tokens",
         )
+        for name in ("hits", "misses", "fetched", "cpu"):  # offload / hybrid / cpu backends
+            self._expert_gauge(name)
         self.in_flight = Gauge(
             "freetoken_http_requests_in_flight", "Generation requests the server holds",
             registry=r,
@@ -75,6 +77,14 @@ class Metrics:
     def _gauge(self, name: str, doc: str, field: str) -> None:
         g = Gauge(f"freetoken_{name}", doc, registry=self.registry)
         g.set_function(lambda: float(getattr(self._stats(), field, 0) or 0))
+
+    def _expert_gauge(self, name: str) -> None:
+        """Expert-cache total since load (distinct experts per layer call): hits, misses and,
+        of the misses, those fetched into slots and those computed by the CPU executor."""
+        g = Gauge(f"freetoken_moe_expert_{name}", f"MoE expert cache: {name} (total)",
+                  registry=self.registry)
+        g.set_function(lambda: float((getattr(self._stats(), "moe_experts", None) or {})
+                                     .get(name, 0)))
 
     def observe_tokens(self, n_new: int, first: bool, since_last: float) -> None:
         """One output with n_new tokens, `since_last` seconds after arrival / the last output."""
