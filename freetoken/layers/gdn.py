@@ -184,21 +184,30 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b.float())  # [T, nv]
         g = self.A_log.value * F.softplus(a.float() + self.dt_bias.value)  # [T, nv], <= 0
         conv, ssm = ctx.recurrent_states[self.state_id]
-        o = torch.empty(x.shape[0], s.num_v_heads, s.head_v_dim, dtype=torch.float32,
-                        device=x.device)
-        cu, slots = ctx.cu_seqlens_q_list, ctx.state_slots.tolist()
-        starts = ctx.positions[torch.tensor(cu[:-1], device=x.device)].tolist()
-        decode = [i for i in range(len(slots)) if cu[i + 1] - cu[i] == 1 and starts[i] > 0]
-        for i in range(len(slots)):
-            if i not in decode:
-                r = slice(cu[i], cu[i + 1])
-                o[r] = self._prefill(mixed[r], g[r], beta[r], conv, ssm, slots[i], starts[i])
-        if decode:
-            rows = torch.tensor([cu[i] for i in decode], device=x.device)
-            idx = torch.tensor([slots[i] for i in decode], device=x.device)
-            o[rows] = self._decode(mixed[rows], g[rows], beta[rows], conv, ssm, idx)
+        if ctx.is_decode:  # one token per sequence: batched, no host sync (CUDA-graph safe)
+            o = self._decode(mixed, g, beta, conv, ssm, ctx.state_slots, ctx.positions)
+        else:
+            o = self._mixed(mixed, g, beta, conv, ssm, ctx)
         y = self.norm(o.to(x.dtype)).float() * F.silu(z.float()).reshape(o.shape)
         return self.out_proj(y.reshape(x.shape[0], s.value_dim).to(x.dtype))
+
+    def _mixed(self, mixed, g, beta, conv, ssm, ctx: ForwardContext) -> torch.Tensor:
+        """Prefill chunks one sequence at a time, decode tokens batched; the loop runs over
+        the context's host lists (no device read)."""
+        s = self.spec
+        cu, lens, slots = ctx.host_lists()
+        starts = [n - (cu[i + 1] - cu[i]) for i, n in enumerate(lens)]
+        o = torch.empty(mixed.shape[0], s.num_v_heads, s.head_v_dim, dtype=torch.float32,
+                        device=mixed.device)
+        decode = [i for i in range(len(slots)) if cu[i + 1] - cu[i] == 1 and starts[i] > 0]
+        for i in sorted(set(range(len(slots))) - set(decode)):
+            r = slice(cu[i], cu[i + 1])
+            o[r] = self._prefill(mixed[r], g[r], beta[r], conv, ssm, slots[i], starts[i])
+        if decode:
+            rows = torch.tensor([cu[i] for i in decode], device=mixed.device)
+            idx = torch.tensor([slots[i] for i in decode], device=mixed.device)
+            o[rows] = self._decode(mixed[rows], g[rows], beta[rows], conv, ssm, idx)
+        return o
 
     def _qkv(self, c: torch.Tensor):
         """Conv output [n, C] -> q, k [n, nv, dk] (normalised, q scaled), v [n, nv, dv]."""
@@ -232,13 +241,19 @@ class GatedDeltaNet(nn.Module):
         o = chunk_gated_delta(*(t.transpose(0, 1) for t in (q, k, v, g, beta)), state)
         return o.transpose(0, 1)
 
-    def _decode(self, x, g, beta, conv, ssm, slots: torch.Tensor) -> torch.Tensor:
-        """One token for each of B sequences: x [B, C] -> o [B, nv, dv]."""
-        win = torch.cat([conv[slots], x.float()[..., None]], dim=-1)  # [B, C, K]
+    def _decode(self, x, g, beta, conv, ssm, slots: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """One token for each of B sequences: x [B, C] -> o [B, nv, dv]. With `positions`
+        [B], a sequence at position 0 starts from zero state (a one-token prompt), decided on
+        the device."""
+        prev, state = conv[slots], ssm[slots]  # [B, C, K-1], [B, nv, dk, dv] (copies)
+        if positions is not None:
+            keep = (positions > 0).to(state.dtype)  # [B]
+            prev, state = prev * keep[:, None, None], state * keep[:, None, None, None]
+        win = torch.cat([prev, x.float()[..., None]], dim=-1)  # [B, C, K]
         conv[slots] = win[..., 1:]
         c = F.silu((win * self.conv1d.weight.value).sum(-1))  # [B, C]
         q, k, v = self._qkv(c)
-        state = ssm[slots]
         o = recurrent_step(q, k, v, g, beta, state)
         ssm[slots] = state
         return o
