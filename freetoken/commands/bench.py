@@ -1,4 +1,4 @@
-"""`ft bench BENCH ...`: benchmarks, one sub-command each (cpu-moe, decode, prefill).
+"""`ft bench BENCH ...`: benchmarks, one sub-command each (cpu-moe, bw, decode, prefill).
 
 Each entry of BENCHES adds its own arguments and runs lazily imported code, so `ft --help`
 stays cheap.
@@ -22,6 +22,28 @@ def _cpu_moe_run(args: argparse.Namespace) -> int:
     from freetoken.moe.cpu_bench import main
 
     return main(args.threads, args.isa, args.json)
+
+
+def _bw_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--formats", default="nvfp4,q4_k",
+                   help="comma-separated expert formats: nvfp4, q4_k, q4_k_m, q8_0 "
+                   "(default nvfp4,q4_k)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="executor threads (default: physical cores minus one)")
+    p.add_argument("--budget-mb", type=int, default=2048,
+                   help="host expert pool per format, MiB (default 2048: several times the LLC)")
+    p.add_argument("--seconds", type=float, default=1.0,
+                   help="seconds per measurement (default 1)")
+    p.add_argument("--no-save", action="store_true",
+                   help="do not write the profile to the cache folder")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+
+
+def _bw_run(args: argparse.Namespace) -> int:
+    from freetoken.moe.bw_bench import run
+
+    run(args.formats, args.threads, args.budget_mb, args.seconds, args.json, not args.no_save)
+    return 0
 
 
 def _ints(text: str) -> list[int]:
@@ -70,6 +92,8 @@ def _engine_bench_run(args: argparse.Namespace, prefill_only: bool) -> int:
 BENCHES = {
     "cpu-moe": ("CPU MoE executor GB/s per ISA tier vs the memory read ceiling",
                 _cpu_moe_args, _cpu_moe_run),
+    "bw": ("CPU executor and PCIe expert GB/s, alone and at once: the hybrid split q* and "
+           "the recommended MoE backend (a profile in the cache folder)", _bw_args, _bw_run),
     "decode": ("engine decode tokens/s per batch size, weight bytes per step and the share of "
                "the memory bandwidth measured in the same run",
                lambda p: _engine_bench_args(p, prefill=False),

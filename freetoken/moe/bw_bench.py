@@ -1,0 +1,185 @@
+"""`ft bench bw`: the two ways a missing expert reaches a result, measured on this machine.
+
+Per expert format, in one run (a layer shape of the seed's headline model, 2048x512 top-8):
+- cpu: the CPU executor's expert GB/s (whole layers at batch 1, random routing, experts cycled
+  from a host pool larger than the last-level cache; bytes of the experts touched / time);
+- pcie: the GB/s of expert-sized host-to-device copies (each expert's w13, w2 and block
+  scales, from pinned host banks into random slots of a device pool) on a copy stream;
+- both: the two at once (the executor in a thread, it releases the GIL; copies on the main
+  thread), since DMA and the executor share the host's memory bandwidth.
+q* = B_pcie / (B_pcie + B_cpu) from the "both" figures is what the hybrid backend fetches of
+its misses. The figures go to a profile (policy.profile_path(), keyed by expert format, GPU
+and CPU model) that `--moe-backend auto` and hybrid read. Without a GPU only the CPU side is
+measured, and the output says so.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch
+
+from freetoken.moe.cpu_bench import LayerBench, LayerShape
+from freetoken.moe.cpu_executor import CpuMoeExecutor, default_threads
+from freetoken.moe.policy import cpu_model, gpu_model, profile_key, save_profiles
+
+# --formats names -> (gate/up, down) as cpu_bench.make_weights takes them
+FORMATS = {"nvfp4": ("nvfp4", "nvfp4"), "q4_k": ("Q4_K", "Q4_K"), "q4_k_m": ("Q4_K", "Q6_K"),
+           "q8_0": ("Q8_0", "Q8_0")}
+SHAPE = (2048, 512, 8, 256)  # hidden, expert FFN, top-k, experts: Qwen3.6-35B-A3B's layers
+MiB = 1 << 20
+
+
+def _parse_formats(text: str) -> list[str]:
+    out = [f.strip().lower() for f in text.split(",") if f.strip()]
+    bad = [f for f in out if f not in FORMATS]
+    if bad or not out:
+        raise ValueError(f"--formats: unknown {', '.join(bad) or '(none)'}; choose from "
+                         f"{', '.join(FORMATS)}")
+    return out
+
+
+class CpuSide:
+    """The executor on a LayerBench pool: GB/s of experts over `seconds`."""
+
+    def __init__(self, lb: LayerBench, ex: CpuMoeExecutor):
+        self.lb, self.ex = lb, ex
+        self.x = torch.randn(1, lb.shape.hidden)
+        self.out = torch.empty(1, lb.shape.hidden)
+        self.seed = 0
+
+    def run(self, seconds: float, stop: threading.Event | None = None) -> float:
+        done, t_all, iters = 0, 0.0, 16
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end and not (stop is not None and stop.is_set()):
+            self.seed += 1
+            ids, route, nbytes = self.lb.routing(iters, 1, self.seed)
+            t_all += self.lb.time_forward(self.ex, self.x, self.out, ids, route)
+            done += nbytes
+        return done / max(t_all, 1e-9) / 1e9
+
+
+class PcieSide:
+    """Expert-sized copies from the LayerBench's host banks (registered as pinned) into a
+    device pool of slots, on a copy stream."""
+
+    def __init__(self, lb: LayerBench, slots: int = 64):
+        self.parts = [t for t in (lb.w13.data, lb.w13.scales, lb.w2.data, lb.w2.scales)
+                      if t is not None]
+        cudart = torch.cuda.cudart()
+        for t in self.parts:  # the executor's own huge-page memory, as host banks are
+            cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        self.pool = [torch.empty((slots, *t.shape[1:]), dtype=t.dtype, device="cuda")
+                     for t in self.parts]
+        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.parts)
+        self.n = lb.w13.data.shape[0]
+        self.stream = torch.cuda.Stream()
+        self.gen = torch.Generator().manual_seed(1)
+
+    def run(self, seconds: float, stop: threading.Event | None = None) -> float:
+        copies, t0 = 0, time.perf_counter()
+        with torch.cuda.stream(self.stream):
+            while time.perf_counter() - t0 < seconds:
+                experts = torch.randint(0, self.n, (32,), generator=self.gen).tolist()
+                for i, e in enumerate(experts):
+                    for src, dst in zip(self.parts, self.pool):
+                        dst[i % dst.shape[0]].copy_(src[e], non_blocking=True)
+                copies += len(experts)
+                self.stream.synchronize()
+        t = time.perf_counter() - t0
+        if stop is not None:
+            stop.set()
+        return copies * self.expert_bytes / t / 1e9
+
+    def close(self) -> None:
+        cudart = torch.cuda.cudart()
+        for t in self.parts:
+            cudart.cudaHostUnregister(t.data_ptr())
+
+
+def both(cpu: CpuSide, pcie: PcieSide, seconds: float) -> tuple[float, float]:
+    """(cpu GB/s, pcie GB/s) while both run for `seconds`."""
+    res: dict[str, float] = {}
+    stop = threading.Event()
+    th = threading.Thread(target=lambda: res.setdefault("cpu", cpu.run(seconds * 2, stop)))
+    th.start()
+    res["pcie"] = pcie.run(seconds, stop)
+    th.join()
+    return res["cpu"], res["pcie"]
+
+
+def recommend(cpu: float, pcie: float | None) -> tuple[str, str]:
+    if pcie is None:
+        return "fused", ("no GPU: the CPU is the device, every expert is resident in host "
+                         "memory (offload / hybrid / cpu would only add copies)")
+    if pcie < 0.1 * cpu:
+        return "cpu", "PCIe is a tenth of the CPU's expert bandwidth: compute misses on the CPU"
+    if cpu < 0.1 * pcie:
+        return "offload", "the CPU reads a tenth of PCIe's bandwidth: fetch every miss"
+    return "hybrid", "both sides are useful: fetch q* of the misses, compute the rest on the CPU"
+
+
+def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> dict:
+    H, inter, k, E = SHAPE
+    shape = LayerShape(f"{H}x{inter} top{k} {fmt}", H, inter, k, E, "Qwen3.6-35B-A3B",
+                       FORMATS[fmt])
+    lb = LayerBench(shape, budget)
+    cpu = CpuSide(lb, CpuMoeExecutor(threads))
+    cpu.run(min(0.1, seconds))  # warm-up: pool wake-up, first touches
+    res = {"format": fmt, "shape": shape.label, "expert_bytes": lb.expert_bytes,
+           "threads": threads, "host_pool_bytes": lb.expert_bytes * lb.layers * lb.experts,
+           "cpu_gbps": cpu.run(seconds), "pcie_gbps": None, "cpu_both_gbps": None,
+           "pcie_both_gbps": None}
+    if torch.cuda.is_available():
+        pcie = PcieSide(lb)
+        try:
+            pcie.run(min(0.1, seconds))
+            res["pcie_gbps"] = pcie.run(seconds)
+            res["cpu_both_gbps"], res["pcie_both_gbps"] = both(cpu, pcie, seconds)
+        finally:
+            pcie.close()
+    b_cpu = res["cpu_both_gbps"] or res["cpu_gbps"]
+    b_pcie = res["pcie_both_gbps"]
+    res["q_star"] = 0.0 if b_pcie is None else b_pcie / (b_pcie + b_cpu)
+    res["recommended"], res["why"] = recommend(b_cpu, b_pcie)
+    log(f"  {fmt}: done")
+    return res
+
+
+def format_table(rows: list[dict]) -> str:
+    def g(v):
+        return f"{v:>9.1f}" if v is not None else f"{'-':>9}"
+
+    head = (f"{'format':<8}{'expert MB':>10}{'cpu GB/s':>9}{'pcie':>9}{'cpu|both':>9}"
+            f"{'pcie|both':>10}{'q*':>6}  recommended")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['format']:<8}{r['expert_bytes'] / 1e6:>10.2f}{g(r['cpu_gbps'])}"
+                     f"{g(r['pcie_gbps'])}{g(r['cpu_both_gbps'])} {g(r['pcie_both_gbps'])}"
+                     f"{r['q_star']:>6.2f}  {r['recommended']}: {r['why']}")
+    return "\n".join(lines)
+
+
+def run(formats: str = "nvfp4,q4_k", threads: int | None = None, budget_mb: int = 2048,
+        seconds: float = 1.0, json_path: str | None = None, save: bool = True,
+        log=print) -> dict:
+    fmts = _parse_formats(formats)
+    threads = threads or default_threads()
+    gpu = gpu_model()
+    log(f"ft bench bw: CPU {cpu_model()} ({threads} executor threads), GPU {gpu}; layer "
+        f"{SHAPE[0]}x{SHAPE[1]} top-{SHAPE[2]} at batch 1, host pool {budget_mb} MiB per format")
+    if not torch.cuda.is_available():
+        log("no GPU: measuring the CPU side only (no PCIe figures; q* = 0)")
+    rows = [measure(f, threads, budget_mb * MiB, seconds, log) for f in fmts]
+    out = {"cpu": cpu_model(), "gpu": gpu, "threads": threads,
+           "profiles": {profile_key(r["format"], gpu): r for r in rows}}
+    print(format_table(rows))
+    if save:
+        path = save_profiles(out["profiles"])
+        log(f"profile written to {path}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
