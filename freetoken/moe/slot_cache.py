@@ -153,12 +153,17 @@ class SlotCache:
         # touch the hits: last_use = clock (masked rows write to the sink S)
         self.last_use.index_put_((torch.where(hit, cur, S),), self.clock.expand(E))
         n = min(E, flat.numel())
-        score = torch.where(miss, counts, -1)  # misses first, the most-routed first
+        # misses first, the most-routed first, then the lower expert id (ties broken in the
+        # score itself: topk's order among equal values is not specified)
+        arange_e = torch.arange(E, device=ids.device)
+        score = torch.where(miss, counts * E + (E - 1 - arange_e), -1)
         cand_score, cand = torch.topk(score, n)
-        n_miss = (cand_score > 0).sum()
-        # victims: the oldest slots this call does not use (hits were just stamped)
+        n_miss = (cand_score >= 0).sum()
+        # victims: the oldest slots this call does not use (hits were just stamped); among
+        # equally old ones the lower slot index
         protected = self.last_use[:S] == self.clock
-        key = torch.where(protected, _NEVER, self.last_use[:S])
+        order = self.last_use[:S] * (S + 1) + torch.arange(S, device=ids.device)
+        key = torch.where(protected, _NEVER, order)
         nv = min(n, S)
         victims = torch.topk(key, nv, largest=False).indices
         limit = fetch_limit(n_miss) if callable(fetch_limit) else fetch_limit
