@@ -1,0 +1,175 @@
+"""One GGUF through FreeToken (`ft bench decode --prefill`) and llama.cpp's `llama-bench`, in one
+run, and a table of the ratios.
+
+    python benchmarks/bench_vs_llamacpp.py --gguf q4k.gguf --make q4_k \\
+        --llama /path/to/llama-bench   # or an unpacked llama-cpp-python sdist, or its .tar.gz
+
+`--make q4_k|nvfp4` writes the random Qwen3-30B-A3B-shaped file first when `--gguf` does not
+exist (scripts/make_random_gguf.py). `--llama` names a llama-bench binary, or llama-cpp-python's
+source (an unpacked sdist directory or the .tar.gz, unpacked into --work): llama.cpp is then
+built from its `vendor/llama.cpp` with CUDA for the H200 (FACTS.md):
+
+    cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF
+    cmake --build b -j16 --target llama-bench
+
+llama-bench runs `-ngl 99 -t THREADS -p PROMPT -n GEN -o json` (batch-1 decode and a prompt of
+PROMPT tokens, both in tokens/s); FreeToken runs `ft bench decode` at every --batch with the
+same prompt length for prefill. llama-bench has no multi-sequence decode, so FreeToken's
+larger batches have no llama.cpp figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CMAKE_CONFIG = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DLLAMA_CURL=OFF"]
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+def _is_llama_src(d: Path) -> bool:
+    return (d / "CMakeLists.txt").is_file() and (d / "ggml").is_dir()
+
+
+def _source_dir(path: Path, work: Path) -> Path:
+    """llama.cpp's source: `path`, its vendor/llama.cpp (an unpacked sdist), or either inside
+    a .tar.gz unpacked into `work` (the sdist, or a trimmed copy of its vendor/llama.cpp)."""
+    if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
+        work.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(path) as tar:
+            tar.extractall(work, filter="data")
+        path = work
+    for cand in (path, path / "vendor" / "llama.cpp", *sorted(path.glob("*")),
+                 *sorted(path.glob("*/vendor/llama.cpp"))):
+        if cand.is_dir() and _is_llama_src(cand):
+            return cand
+    raise SystemExit(f"{path}: neither a llama-bench binary nor llama.cpp source "
+                     "(a directory with CMakeLists.txt and ggml/, or vendor/llama.cpp of one)")
+
+
+def llama_bench_binary(path: Path, work: Path, jobs: int) -> Path:
+    """The llama-bench to run: `path` itself, or built from the source at `path`."""
+    if path.is_file() and os.access(path, os.X_OK) and not path.name.endswith(".gz"):
+        return path
+    src = _source_dir(path, work)
+    build = src / "b"
+    binary = build / "bin" / "llama-bench"
+    if not binary.exists():
+        _run(["cmake", "-B", str(build), *CMAKE_CONFIG], cwd=src)
+        _run(["cmake", "--build", str(build), f"-j{jobs}", "--target", "llama-bench"], cwd=src)
+    if not binary.exists():
+        raise SystemExit(f"the build finished without {binary}")
+    return binary
+
+
+def run_llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, gen: int,
+                    extra: list[str]) -> dict[str, float]:
+    """{"decode_b1": tok/s, "prefill": tok/s} from llama-bench's JSON output."""
+    cmd = [str(binary), "-m", str(gguf), "-ngl", "99", "-t", str(threads), "-p", str(prompt),
+           "-n", str(gen), "-o", "json", *extra]
+    out = _run(cmd, capture=True)
+    rows = json.loads(out[out.index("["):])
+    res = {}
+    for r in rows:
+        if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0:
+            res["decode_b1"] = float(r["avg_ts"])
+        elif r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0:
+            res["prefill"] = float(r["avg_ts"])
+    return res
+
+
+# ---- FreeToken --------------------------------------------------------------------------------
+def run_freetoken(gguf: Path, batches: str, prompt: int, gen: int, extra: list[str],
+                  json_path: Path) -> dict:
+    cmd = [sys.executable, "-m", "freetoken.cli", "bench", "decode", "--model", str(gguf),
+           "--batch", batches, "--tokens", str(gen), "--prefill", "--prompt-lens", str(prompt),
+           "--json", str(json_path), "--no-show-progress", *extra]
+    _run(cmd, cwd=REPO)
+    return json.loads(json_path.read_text())
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def _run(cmd: list[str], cwd: Path | None = None, capture: bool = False) -> str:
+    print("$", " ".join(cmd), flush=True)
+    res = subprocess.run(cmd, cwd=cwd, text=True, stdout=subprocess.PIPE if capture else None)
+    if res.returncode != 0:
+        raise SystemExit(f"command failed ({res.returncode}): {' '.join(cmd)}")
+    return res.stdout or ""
+
+
+def table(ft: dict, lc: dict, prompt: int) -> list[dict]:
+    rows = [{"measure": f"decode batch {r['batch']} (tokens/s, aggregate)",
+             "freetoken": r["tokens_per_s"], "llama.cpp": lc.get("decode_b1")
+             if r["batch"] == 1 else None} for r in ft.get("decode", [])]
+    for r in ft.get("prefill", []):
+        rows.append({"measure": f"prefill {r['prompt_len']} (prompt tokens/s)",
+                     "freetoken": r["tokens_per_s"],
+                     "llama.cpp": lc.get("prefill") if r["prompt_len"] == prompt else None})
+    for r in rows:
+        r["ratio"] = r["freetoken"] / r["llama.cpp"] if r["llama.cpp"] else None
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    def f(x, spec):
+        return "—" if x is None else format(x, spec)
+
+    print("| measure | FreeToken | llama.cpp | FreeToken / llama.cpp |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['measure']} | {f(r['freetoken'], '.1f')} | {f(r['llama.cpp'], '.1f')} | "
+              f"{f(r['ratio'], '.2f')} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--gguf", required=True, type=Path, help="the GGUF both engines run")
+    p.add_argument("--make", choices=["q4_k", "nvfp4"], default=None,
+                   help="write a random Qwen3-30B-A3B-shaped GGUF with these experts first "
+                   "(when --gguf does not exist)")
+    p.add_argument("--layers", type=int, default=48, help="layers of a --make file")
+    p.add_argument("--llama", required=True, type=Path,
+                   help="llama-bench binary, or llama-cpp-python's sdist (dir or .tar.gz)")
+    p.add_argument("--work", type=Path, default=None,
+                   help="where a .tar.gz sdist is unpacked and built (default: a temp dir)")
+    p.add_argument("--jobs", type=int, default=16, help="build jobs")
+    p.add_argument("--threads", type=int, default=15, help="llama-bench -t")
+    p.add_argument("--batch", default="1,16", help="FreeToken decode batch sizes")
+    p.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
+    p.add_argument("--gen", type=int, default=128, help="decode tokens (llama-bench -n)")
+    p.add_argument("--llama-args", default="", help="extra llama-bench arguments")
+    p.add_argument("--ft-args", default="", help="extra ft bench decode arguments")
+    p.add_argument("--json", type=Path, default=None, help="also write everything as JSON")
+    args = p.parse_args(argv)
+
+    if not args.gguf.exists():
+        if args.make is None:
+            raise SystemExit(f"{args.gguf} does not exist (pass --make q4_k|nvfp4 to write it)")
+        _run([sys.executable, str(REPO / "scripts" / "make_random_gguf.py"), str(args.gguf),
+              "--expert-type", args.make, "--layers", str(args.layers)])
+    work = args.work or Path(tempfile.mkdtemp(prefix="llamacpp-"))
+    binary = llama_bench_binary(args.llama, work, args.jobs)
+    with tempfile.TemporaryDirectory() as tmp:
+        ft = run_freetoken(args.gguf, args.batch, args.prompt, args.gen, args.ft_args.split(),
+                           Path(tmp) / "ft.json")
+    lc = run_llama_bench(binary, args.gguf, args.threads, args.prompt, args.gen,
+                         args.llama_args.split())
+    rows = table(ft, lc, args.prompt)
+    print(f"\n{args.gguf.name}, {ft.get('device_name')}; llama.cpp: {binary}")
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"freetoken": ft, "llama.cpp": lc, "table": rows},
+                                        indent=2))
+    if args.work is None and binary.is_relative_to(work):
+        print(f"(llama.cpp unpacked and built in {work})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
