@@ -1,0 +1,75 @@
+"""`ft bench bw` on this machine (no GPU here: the CPU side only) and the profile it leaves
+for `--moe-backend auto` / hybrid.
+
+Reference for the byte accounting: the formats' definitions (gguf.GGML_QUANT_SIZES for the
+GGUF blocks; NVFP4 = 4-bit codes + one E4M3 byte per 16 values), not our code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import gguf
+import pytest
+import torch
+
+from freetoken.cli import main as ft_main
+from freetoken.moe import bw_bench
+from freetoken.moe.policy import find_profile, load_profiles, profile_key
+
+H, INTER = bw_bench.SHAPE[0], bw_bench.SHAPE[1]
+
+
+def _gguf_bytes(name: str, n: int, k: int) -> int:
+    bs, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    return n * k // bs * bb
+
+
+EXPERT_BYTES = {
+    "nvfp4": 3 * H * INTER // 2 + 3 * H * INTER // 16,
+    "q4_k_m": _gguf_bytes("Q4_K", 2 * INTER, H) + _gguf_bytes("Q6_K", H, INTER),
+}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_cli_writes_json_and_profile(cache, capsys):
+    out = cache / "bw.json"
+    rc = ft_main(["bench", "bw", "--formats", "nvfp4,q4_k_m", "--budget-mb", "24",
+                  "--seconds", "0.05", "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert set(r["format"] for r in res["profiles"].values()) == {"nvfp4", "q4_k_m"}
+    for r in res["profiles"].values():
+        assert r["expert_bytes"] == EXPERT_BYTES[r["format"]]
+        assert r["cpu_gbps"] > 0
+        assert r["format"] in printed and "recommended" in printed
+    saved = load_profiles()
+    assert saved == res["profiles"]
+    assert find_profile("nvfp4") == saved[profile_key("nvfp4")]
+    if not torch.cuda.is_available():
+        assert "CPU side only" in printed
+        for r in res["profiles"].values():
+            assert r["pcie_gbps"] is None and r["q_star"] == 0.0 and r["recommended"] == "fused"
+
+
+def test_unknown_format_is_named(cache):
+    with pytest.raises(ValueError, match="unknown mxfp9"):
+        bw_bench.run("nvfp4,mxfp9", save=False)
+
+
+def test_recommendation():
+    assert bw_bench.recommend(100.0, None)[0] == "fused"
+    assert bw_bench.recommend(100.0, 5.0)[0] == "cpu"
+    assert bw_bench.recommend(5.0, 100.0)[0] == "offload"
+    assert bw_bench.recommend(95.0, 44.0)[0] == "hybrid"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
