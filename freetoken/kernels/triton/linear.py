@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.quant import decode_tile, format_id
 
 log = logging.getLogger(__name__)
@@ -64,14 +65,16 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
     w_rows, s_rows = _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < K
-        w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
-        x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
-        if BM == 1:
-            acc += tl.sum(w * x.to(tl.float32), axis=1)[None, :]
-        else:
+    if BM == 1:  # decode: K is a multiple of BK (the launcher's gemv_bk)
+        for k0 in tl.range(0, K, BK):
+            acc += gemv_block(FMT, w_rows, s_rows, x_ptr + pid_m * stride_xm, k0, n_ok,
+                              BK)[None, :]
+    else:
+        for k0 in tl.range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            k_ok = k < K
+            w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
+            x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
             acc = _dot_acc(acc, x, w, DOT)
     if SCALE2 == 1:
         acc = acc * tl.load(scale2_ptr)
@@ -131,12 +134,12 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
                      f"1 or one per output row ({n})")
 
 
-def _blocks(m: int, n: int, dot: int) -> tuple[int, int, int, int]:
+def _blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps) by shape: GEMV rows per program sized so that at batch 1 there
     are several programs per SM; GEMM tiles for tl.dot otherwise."""
-    if m == 1:
-        bn = 4 if n <= 4096 else 8
-        return 1, bn, 256, 4
+    bk = gemv_bk(fmt, k)
+    if m == 1 and bk is not None:
+        return 1, (4 if n <= 4096 else 8), bk, 4
     if m <= 64:
         return max(16, triton.next_power_of_2(m)), 32, 128, 4
     return 64, 64, 64, 4
@@ -160,7 +163,7 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
-    bm, bn, bk, warps = tiles or _blocks(m, n, dot)
+    bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
 from freetoken.kernels.triton.quant import decode_tile, format_id
 from freetoken.moe.banks import ExpertBank
@@ -62,20 +63,20 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
     x_rows = x_ptr + (routes // TOPK)[:, None].to(tl.int64) * stride_xm
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < K
-        w_ok = n_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        g = decode_tile(FMT, wg, sg, k[None, :], w_ok)
-        u = decode_tile(FMT, wu, su, k[None, :], w_ok)
-        if BM == 1:
-            xf = x.to(tl.float32)
-            acc_g += tl.sum(g * xf, axis=1)[None, :]
-            acc_u += tl.sum(u * xf, axis=1)[None, :]
-        else:
-            acc_g = _dot_acc(acc_g, x, g, DOT)
-            acc_u = _dot_acc(acc_u, x, u, DOT)
+    if BM == 1:  # decode: one route, K a multiple of BK
+        x_row = x_ptr + (tl.load(route_ids_ptr + tl.program_id(0)) // TOPK).to(tl.int64) \
+            * stride_xm
+        for k0 in tl.range(0, K, BK):
+            acc_g += gemv_block(FMT, wg, sg, x_row, k0, n_ok, BK)[None, :]
+            acc_u += gemv_block(FMT, wu, su, x_row, k0, n_ok, BK)[None, :]
+    else:
+        for k0 in tl.range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            k_ok = k < K
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_g = _dot_acc(acc_g, x, decode_tile(FMT, wg, sg, k[None, :], w_ok), DOT)
+            acc_u = _dot_acc(acc_u, x, decode_tile(FMT, wu, su, k[None, :], w_ok), DOT)
     s = bank_s_ptr + slot * 4
     a = _glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
@@ -97,14 +98,16 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                                FMT)
     a_rows = a_ptr + routes[:, None].to(tl.int64) * stride_am
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, BK):
-        k = k0 + tl.arange(0, BK)
-        k_ok = k < K
-        w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
-        a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if BM == 1:
-            acc += tl.sum(w * a, axis=1)[None, :]
-        else:
+    if BM == 1:  # decode: one route, K a multiple of BK
+        a_row = a_ptr + tl.load(route_ids_ptr + tl.program_id(0)).to(tl.int64) * stride_am
+        for k0 in tl.range(0, K, BK):
+            acc += gemv_block(FMT, w_rows, s_rows, a_row, k0, n_ok, BK)[None, :]
+    else:
+        for k0 in tl.range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            k_ok = k < K
+            w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
+            a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot_acc(acc, a, w, DOT)
     r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
     y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * r_w[:, None]
@@ -158,10 +161,13 @@ def supported(bank: ExpertBank) -> bool:
     return format_id(bank.w13) is not None and format_id(bank.w2) is not None
 
 
-def _tiles(tokens: int) -> tuple[int, int, int]:
-    """(BM, BN, BK): BM = 1 (per-route GEMV) at decode sizes, tl.dot tiles above."""
-    if tokens <= 16:
-        return 1, 4, 256
+def _tiles(tokens: int, bank: ExpertBank) -> tuple[int, int, int]:
+    """(BM, BN, BK): BM = 1 (per-route GEMV) at decode sizes, tl.dot tiles above. The GEMV
+    needs both K's (hidden, intermediate) to split into whole BK chunks."""
+    bk13 = gemv_bk(format_id(bank.w13), bank.hidden)
+    bk2 = gemv_bk(format_id(bank.w2), bank.intermediate)
+    if tokens <= 16 and bk13 is not None and bk2 is not None:
+        return 1, 4, min(bk13, bk2)
     return (16, 64, 64) if tokens <= 128 else (64, 64, 64)
 
 
@@ -178,7 +184,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    bm, bn, bk = tiles or _tiles(t)
+    bm, bn, bk = tiles or _tiles(t, bank)
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     y = torch.zeros(r, h, dtype=torch.float32, device=x.device)
