@@ -85,13 +85,21 @@ class Engine:
             config.max_prefill_tokens,
         )
         self.runner = ModelRunner(model, num_pages, config.page_size, self.dtype, self.device,
-                                  config.max_running_requests if hybrid else 0)
+                                  config.max_running_requests if hybrid else 0,
+                                  max_model_len=self.max_model_len,
+                                  cuda_graph_max_bs=self._graph_max_bs(config))
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._lock = threading.RLock()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self._counters = {"hit": 0, "prompt": 0, "gen": 0}
+
+    def _graph_max_bs(self, config: EngineConfig) -> int:
+        """Largest decode batch captured as a CUDA graph (0: none; the CPU never captures)."""
+        if config.disable_cuda_graph or self.device.type != "cuda":
+            return 0
+        return config.cuda_graph_max_bs or config.max_running_requests
 
     def _load(self, config: EngineConfig, tokenizer: Tokenizer | None):
         from freetoken.assets import resolve_model
@@ -188,15 +196,49 @@ class Engine:
         return logits
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Request]:
-        """Sample for each request whose tokens are all computed; errors finish only it."""
+        """Sample for each request whose tokens are all computed; errors finish only it.
+
+        On CUDA, rows without penalties or logprobs are sampled together on the device and
+        read back at once (the step's one host sync); the others go row by row."""
         sampling = [r for r in batch.requests if r.num_uncomputed == 0]
-        for row, req in zip(logits, sampling):
+        together = [i for i, r in enumerate(sampling)
+                    if logits.is_cuda and sampler.batchable(r.params)]
+        checked = [i for i in together if self._check(sampling[i])]
+        if checked:
+            self._sample_together(sampling, logits, checked)
+        done = set(together)
+        for i, (row, req) in enumerate(zip(logits, sampling)):
+            if i in done:
+                continue
             try:
                 self._sample_one(req, row)
             except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-                req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
-                logger.exception("sampling failed for request %s", req.request_id)
+                self._fail_request(req, e)
         return sampling
+
+    def _check(self, req: Request) -> bool:
+        try:
+            sampler.check_late(req.params, self.tokenizer.vocab_size)
+        except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+            self._fail_request(req, e)
+            return False
+        return True
+
+    def _fail_request(self, req: Request, e: Exception) -> None:
+        req.finish_reason, req.error = "error", f"{type(e).__name__}: {e}"
+        logger.exception("sampling failed for request %s", req.request_id)
+
+    def _sample_together(self, sampling: list[Request], logits: torch.Tensor,
+                         rows: list[int]) -> None:
+        reqs = [sampling[i] for i in rows]
+        if len(rows) < logits.shape[0]:
+            logits = logits.index_select(0, sampler.upload(rows, torch.long, logits.device))
+        ids = sampler.sample_batch(logits, [r.params for r in reqs],
+                                   [r.generator.initial_seed() for r in reqs],
+                                   [len(r.output_token_ids) for r in reqs])
+        for req, tok in zip(reqs, sampler.read_ids(ids)):
+            req.output_token_ids.append(tok)
+            req.pending_token_ids.append(tok)
 
     def _sample_one(self, req: Request, row: torch.Tensor) -> None:
         p = req.params

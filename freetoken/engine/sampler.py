@@ -127,7 +127,8 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     return (-torch.log(-torch.log(u))).float()
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a sync (pinned, non-blocking on CUDA)."""
     t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t
@@ -162,15 +163,15 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     greedy = torch.argmax(logits, dim=-1)
     if all(p.greedy for p in params):
         return greedy
-    temp = _upload([p.temperature or 1.0 for p in params], torch.float32, dev)
+    temp = upload([p.temperature or 1.0 for p in params], torch.float32, dev)
     x = logits.float() / temp[:, None]
     if any(0 < p.top_k < x.shape[1] or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-        lim = _upload([[p.top_p, p.min_p] for p in params], torch.float32, dev)
-        k = _upload([p.top_k for p in params], torch.long, dev)
+        lim = upload([[p.top_p, p.min_p] for p in params], torch.float32, dev)
+        k = upload([p.top_k for p in params], torch.long, dev)
         x = filter_logits(x, k, lim[:, 0], lim[:, 1])
-    ints = _upload([seeds, steps], torch.long, dev)
+    ints = upload([[s & (2**63 - 1) for s in seeds], steps], torch.long, dev)  # any seed fits
     drawn = torch.argmax(x + gumbel_noise(ints[0], ints[1], x.shape[1]), dim=-1)
-    is_greedy = _upload([p.greedy for p in params], torch.bool, dev)
+    is_greedy = upload([p.greedy for p in params], torch.bool, dev)
     return torch.where(is_greedy, greedy, drawn)
 
 
