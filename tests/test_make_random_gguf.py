@@ -1,0 +1,90 @@
+"""scripts/make_random_gguf.py: a tiny qwen3moe file of each expert type loads through
+FreeToken's strict loader; what the loader holds equals what gguf-py's own reader and numpy
+codecs read from the file; the full-size plan has the size of the file llama.cpp was measured
+on (16.75 GiB, FACTS.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from freetoken.formats.dequant import dequantize
+from freetoken.models import load_model
+from freetoken.models.testing import prefill_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import make_random_gguf as mrg  # noqa: E402
+
+TINY = dict(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=4,
+            top_k=2, expert_ff=256, context=1024)
+
+
+@pytest.fixture(scope="module", params=["q4_k", "nvfp4"])
+def tiny(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / f"tiny_{request.param}.gguf"
+    mrg.write(str(path), TINY, request.param, seed=3, log=lambda *_: None)
+    return request.param, path
+
+
+def test_loads_and_runs(tiny):
+    fmt, path = tiny
+    model, src = load_model(path, show_progress=False)
+    cfg = model.config
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size, cfg.vocab_size) == ("qwen3_moe", 2, 256, 4, 2, 256, 512)
+    bank = model.model.layers[1].mlp.experts.bank
+    assert bank.w13.fmt == ("gguf" if fmt == "q4_k" else "nvfp4")
+    logits = prefill_logits(model, [[1, 300, 7, 42]])[0]
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_loader_holds_the_file_as_gguf_py_reads_it(tiny):
+    fmt, path = tiny
+    model, _ = load_model(path, show_progress=False)
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    layer = model.model.layers[0]
+    # Q8_0 attention: FreeToken's decode of the loaded rows equals gguf-py's of the file's.
+    q = tensors["blk.0.attn_q.weight"]
+    ref = gguf.quants.dequantize(np.asarray(q.data), q.tensor_type)
+    ours = dequantize(layer.self_attn.qkv_proj.weights[0]).numpy()[:ref.shape[0]]
+    np.testing.assert_array_equal(ours, ref)
+    gate = tensors["blk.0.ffn_gate_exps.weight"]
+    experts = gguf.quants.dequantize(np.asarray(gate.data), gate.tensor_type)  # [E, I, H]
+    scaled = experts
+    if fmt == "nvfp4":  # llama.cpp multiplies results by the per-expert .scale
+        scaled = experts * np.asarray(tensors["blk.0.ffn_gate_exps.scale"].data)[:, None, None]
+    assert np.isfinite(experts).all() and 0.005 < scaled.std() < 0.08
+    bank = layer.mlp.experts.bank
+    w13 = dequantize(bank.w13).numpy()  # [E, 2I, H], gate rows first
+    np.testing.assert_array_equal(w13[:, :256], experts)
+    if fmt == "nvfp4":  # the per-expert .scale tensors become the bank's scale columns
+        for col, part in enumerate(("gate", "up", "down")):
+            s = np.asarray(tensors[f"blk.0.ffn_{part}_exps.scale"].data)
+            np.testing.assert_array_equal(bank.scales[:, col].numpy(), s)
+    else:
+        assert "blk.0.ffn_gate_exps.scale" not in tensors and not bank.has_scales()
+
+
+def test_full_size_plan_matches_the_measured_file():
+    for fmt in ("q4_k", "nvfp4"):
+        qtype = mrg.EXPERT_TYPES[fmt]
+        planned = [t for t in mrg.plan(mrg.SHAPE) if t.kind != "scale" or fmt == "nvfp4"]
+        total = sum(mrg._nbytes(t, mrg._ggml_type(t, qtype))[1] for t in planned)
+        assert abs(total / 2**30 - 16.75) < 0.01  # llama-bench's model size (FACTS.md)
+    assert len([t for t in mrg.plan(mrg.SHAPE) if t.kind == "experts"]) == 48 * 3
+
+
+def test_bad_shape_refused(tmp_path):
+    with pytest.raises(ValueError, match="Q4_K blocks"):
+        mrg.write(str(tmp_path / "x.gguf"), dict(TINY, expert_ff=200), "q4_k",
+                  log=lambda *_: None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
