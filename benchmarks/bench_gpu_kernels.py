@@ -1,6 +1,7 @@
 """GB/s of the Triton quantized kernels per format and shape, next to the HBM copy bandwidth.
 
     python benchmarks/bench_gpu_kernels.py [--formats nvfp4,Q4_K] [--moe-tokens 1,16,512]
+        [--sweep nvfp4,Q4_K]   # first: GB/s per GEMV tile choice at one token
 
 Shapes are Qwen3-30B-A3B's (FACTS.md): dense qkv 5120x2048, o_proj 2048x4096, lm_head
 151936x2048; MoE 128 experts, hidden 2048, FFN 768, top-8. Bytes are the weight bytes a call
@@ -132,15 +133,50 @@ def bench_moe(fmt: str, tokens: list[int], hbm: float, e: int = 128, h: int = 20
         _row("moe", fmt, t, touched * per_expert, 6 * t * topk * h * inter, eager, graph, hbm)
 
 
+SWEEP = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4),
+         (16, 256, 8), (32, 256, 8)]
+
+
+def sweep(fmt: str, hbm: float) -> None:
+    """GEMV tile choices (BN, BK, num_warps) at one token: dense o_proj / qkv and a MoE layer."""
+    from freetoken.kernels.triton.linear import triton_linear
+    from freetoken.kernels.triton.moe import fused_moe_triton
+
+    e, h, inter, topk = 128, 2048, 768, 8
+    bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
+                      torch.rand(e, 4, device="cuda") + 0.5)
+    ids = torch.randperm(e, device="cuda")[:topk].reshape(1, topk)
+    w = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
+    xm = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    moe_bytes = topk * (bank.w13.nbytes() + bank.w2.nbytes()) / e
+    dense = [(n, k, make_weight(fmt, (n, k))) for _, n, k in DENSE[:2]]
+    for bn, bk, warps in SWEEP:
+        if fmt in ("Q4_K", "Q6_K") and bk != 256:
+            continue
+        cells = []
+        for n, k, qw in dense:
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            _, g = time_call(lambda x=x, qw=qw, t=(1, bn, bk, warps): triton_linear(x, qw, t))
+            cells.append(f"{n}x{k} {qw.nbytes() / g / 1e6:6.0f}")
+        _, g = time_call(lambda t=(1, bn, bk, warps): fused_moe_triton(xm, bank, ids, w, "silu",
+                                                                       None, t))
+        cells.append(f"moe {moe_bytes / g / 1e6:6.0f} ({g * 1e3:.1f} us)")
+        print(f"sweep {fmt:6s} BN={bn:2d} BK={bk} warps={warps}: " + "  ".join(cells) +
+              f"  GB/s (HBM {hbm:.0f})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="nvfp4,Q4_K,Q8_0,Q6_K,mxfp4,MXFP4,fp8_block,bf16")
     p.add_argument("--dense-tokens", default="1,16,512")
     p.add_argument("--moe-tokens", default="1,16,512")
     p.add_argument("--skip-dense", action="store_true")
+    p.add_argument("--sweep", default="", help="formats whose GEMV tiles to sweep first")
     a = p.parse_args()
     hbm = hbm_copy_gbs()
     print(f"HBM copy (read + write): {hbm:.0f} GB/s  ({torch.cuda.get_device_name()})")
+    for fmt in filter(None, a.sweep.split(",")):
+        sweep(fmt, hbm)
     print(f"{'shape':10s} {'format':9s} {'tokens':>6s} {'MB':>9s} {'eager us':>9s} "
           f"{'graph us':>9s} {'GB/s':>8s} {'% HBM':>6s} {'TFLOP/s':>7s}")
     for fmt in a.formats.split(","):

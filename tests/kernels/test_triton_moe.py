@@ -84,10 +84,10 @@ def _check(y, ref, mag, fp32: bool):
 
 
 # (w13 format, w2 format, tokens, activation, tiles under the interpreter)
-CASES = [("nvfp4", "nvfp4", 1, "silu", (1, 64, 256)),
-         ("Q4_K", "Q6_K", 2, "gelu_tanh", (1, 128, 256)),
-         ("Q8_0", "Q8_0", 12, "silu", (16, 64, 128)),
-         ("bf16", "bf16", 1, "silu", (1, 128, 256))]
+CASES = [("nvfp4", "nvfp4", 1, "silu", (1, 64, 256, 4)),
+         ("Q4_K", "Q6_K", 2, "gelu_tanh", (1, 128, 256, 4)),
+         ("Q8_0", "Q8_0", 12, "silu", (16, 64, 128, 4)),
+         ("bf16", "bf16", 1, "silu", (1, 128, 256, 4))]
 
 
 @pytest.mark.parametrize("f13,f2,tokens,act,tiles", CASES)

@@ -129,7 +129,7 @@ def _align(slots: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, 
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + bm - 1) // bm * bm
-    padded[num_slots] = 0
+    padded = padded * (torch.arange(num_slots + 1, device=dev) < num_slots)  # bucket S: none
     pad_start = torch.cumsum(padded, 0) - padded  # [S + 1] first padded position of each slot
     grp_start = torch.cumsum(counts, 0) - counts  # [S + 1] first sorted position of each slot
     order = torch.argsort(key, stable=True)
@@ -161,30 +161,30 @@ def supported(bank: ExpertBank) -> bool:
     return format_id(bank.w13) is not None and format_id(bank.w2) is not None
 
 
-def _tiles(tokens: int, bank: ExpertBank) -> tuple[int, int, int]:
-    """(BM, BN, BK): BM = 1 (per-route GEMV) at decode sizes, tl.dot tiles above. The GEMV
-    needs both K's (hidden, intermediate) to split into whole BK chunks."""
+def _tiles(tokens: int, bank: ExpertBank) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_warps): BM = 1 (per-route GEMV) at decode sizes, tl.dot tiles above.
+    The GEMV needs both K's (hidden, intermediate) to split into whole BK chunks."""
     bk13 = gemv_bk(format_id(bank.w13), bank.hidden)
     bk2 = gemv_bk(format_id(bank.w2), bank.intermediate)
     if tokens <= 16 and bk13 is not None and bk2 is not None:
-        return 1, 4, min(bk13, bk2)
-    return (16, 64, 64) if tokens <= 128 else (64, 64, 64)
+        return 1, 4, min(bk13, bk2), 4
+    return (16, 64, 64, 4) if tokens <= 128 else (64, 64, 64, 4)
 
 
 def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, activation: str = "silu",
                      expert_map: torch.Tensor | None = None,
-                     tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
 
-    `tiles` (BM, BN, BK) overrides the choice by batch size (tests under the interpreter use
-    wide row blocks: fewer programs to interpret)."""
+    `tiles` (BM, BN, BK, num_warps) overrides the choice by batch size (tests under the
+    interpreter use wide row blocks: fewer programs to interpret)."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    bm, bn, bk = tiles or _tiles(t, bank)
+    bm, bn, bk, warps = tiles or _tiles(t, bank)
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     y = torch.zeros(r, h, dtype=torch.float32, device=x.device)
@@ -200,9 +200,10 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         x, w13, s13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
         FMT=format_id(bank.w13), DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
-        enable_fp_fusion=False)
+        num_warps=warps, enable_fp_fusion=False)
     _down_kernel[(nb, triton.cdiv(h, bn))](
         a, w2, s2, scales, route_ids, block_slot, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
-        FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk, enable_fp_fusion=False)
+        FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk, num_warps=warps,
+        enable_fp_fusion=False)
     return y.view(t, topk, h).sum(1).to(x.dtype)
