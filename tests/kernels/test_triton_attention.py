@@ -2,7 +2,8 @@
 reference `freetoken.kernels.attention.paged_attention` on the same cache.
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1) on small fp32
-shapes; with CUDA, larger bf16 shapes run on the device. Tolerances:
+shapes (with CUDA, the same small cases run compiled on the device), and with CUDA larger bf16
+shapes run too. Tolerances:
 - fp32 cache (IEEE dots): |out - ref| <= 2e-5 + 1e-4 |ref| (only the summation order differs);
 - bf16 cache: 2e-2 absolute on outputs of magnitude <= ~1: the kernel feeds bf16 q and the
   bf16-rounded softmax weights to the tensor cores (relative error 2^-8 per term), the
@@ -26,6 +27,7 @@ from freetoken.engine.context import ForwardContext  # noqa: E402
 from freetoken.kernels.attention import paged_attention, paged_attention_triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # compiled kernels need device tensors; the interpreter, CPU
 
 
 def make_ctx(starts: list[int], news: list[int], page_size: int, num_pages: int,
@@ -57,7 +59,7 @@ def make_ctx(starts: list[int], news: list[int], page_size: int, num_pages: int,
 
 
 def run_both(starts, news, *, n_q=4, n_kv=2, d=32, page_size=4, window=None, softcap=None,
-             dtype=torch.float32, device="cpu", seed=0):
+             dtype=torch.float32, device=DEV, seed=0):
     """(triton out, reference out, triton cache, reference cache) for one random batch."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-(s + n) // page_size) for s, n in zip(starts, news)) + 3
@@ -67,12 +69,12 @@ def run_both(starts, news, *, n_q=4, n_kv=2, d=32, page_size=4, window=None, sof
     q, k, v = (torch.randn(tokens, h, d, generator=gen).to(device, dtype)
                for h in (n_q, n_kv, n_kv))
     scale = d ** -0.5
-    ref_cache = cache.clone()
-    ref = paged_attention(q.cpu(), k.cpu(), v.cpu(), ref_cache.cpu(), _cpu(ctx), scale=scale,
+    ref_cache = cache.cpu().clone()  # the reference writes its own copy, on the CPU
+    ref = paged_attention(q.cpu(), k.cpu(), v.cpu(), ref_cache, _cpu(ctx), scale=scale,
                           window=window, softcap=softcap)
     out = paged_attention_triton(q, k, v, cache, ctx, scale=scale, window=window,
                                  softcap=softcap)
-    return out.cpu(), ref, cache.cpu(), ref_cache.cpu()
+    return out.cpu(), ref, cache.cpu(), ref_cache
 
 
 def _cpu(ctx: ForwardContext) -> ForwardContext:
@@ -108,13 +110,13 @@ def test_decode_split_k_matches_unsplit():
     ctx = make_ctx([149, 39], [1, 1], 16, 14, "cpu", gen)
     cache = torch.randn(2, 14, 16, 2, 32, generator=gen)
     q = torch.randn(2, 4, 32, generator=gen)
-    ref = paged_attention(q, torch.zeros(2, 2, 32), torch.zeros(2, 2, 32), cache.clone(), ctx,
-                          scale=0.2)
-    tri.store_kv(cache, torch.zeros(2, 2, 32), torch.zeros(2, 2, 32), ctx.slot_mapping)
+    zero = torch.zeros(2, 2, 32)
+    ref = paged_attention(q, zero, zero, cache, ctx, scale=0.2)  # writes the zero rows
+    cache, q, table, lens = (t.to(DEV) for t in (cache, q, ctx.page_table, ctx.seq_lens))
     for splits in (1, 3):
-        out = tri.decode(q, cache, ctx.page_table, ctx.seq_lens, scale=0.2, window=None,
-                         softcap=None, splits=splits)
-        close_fp32(out, ref)
+        out = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
+                         splits=splits)
+        close_fp32(out.cpu(), ref)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
@@ -134,9 +136,9 @@ def test_prefill_longer_than_a_block():
 def test_store_skips_negative_slots():
     from freetoken.kernels.triton import attention as tri
 
-    cache = torch.zeros(2, 2, 4, 1, 16)
-    k, v = torch.ones(2, 1, 16), torch.full((2, 1, 16), 2.0)
-    tri.store_kv(cache, k, v, torch.tensor([5, -1]))
+    cache = torch.zeros(2, 2, 4, 1, 16, device=DEV)
+    k, v = torch.ones(2, 1, 16, device=DEV), torch.full((2, 1, 16), 2.0, device=DEV)
+    tri.store_kv(cache, k, v, torch.tensor([5, -1], device=DEV))
     flat = cache.view(2, -1, 1, 16)
     assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[1, 5], v[0])
     assert int((cache != 0).sum()) == 2 * 16  # the padded row wrote nothing
