@@ -2,7 +2,7 @@
 
 `gemv_block(FMT, w_rows, s_rows, x_row, k0, n_ok, BK)` returns fp32 [BLOCK_N] partial sums
 sum_k W[n, k] x[k] over k0 <= k < k0 + BK. For the formats that carry the decode bar (NVFP4,
-Q4_K, Q8_0) it reads the code bytes as contiguous runs (vector loads) and applies the block
+Q4_K, Q6_K, Q8_0) it reads the code bytes as contiguous runs (vector loads) and applies the block
 scales once per block, as llama.cpp's MMVQ does: NVFP4 `s * sum(e2m1 * x)`, Q8_0
 `d * sum(q * x)`, Q4_K `d sc * sum(q * x) - dmin m * sum(x)` per 32 values. These are the
 codecs' values summed in another association (fp32, within the same K eps bound the tests
@@ -81,6 +81,34 @@ def _q4_k_dot(w_rows, x_row, k0, n_ok, BK: tl.constexpr):
 
 
 @triton.jit
+def _q6_k_dot(w_rows, x_row, k0, n_ok, BK: tl.constexpr):
+    """BK = 256: one super-block per row. Code byte 32c + l (c = 2h + f1) holds k = 128h +
+    32 f1 + l (low nibble) and k + 64 (high); its top bits come from byte 128 + 32h + l (bits
+    2 f1 and 2 f1 + 4); one int8 scale per 16 values (k // 16)."""
+    blk = w_rows + (k0 // 256) * 210  # [BN, 1]
+    c = tl.arange(0, 4)[None, :, None, None]
+    lh = tl.arange(0, 2)[None, None, :, None]
+    ll = tl.arange(0, 16)[None, None, None, :]
+    m4 = n_ok[:, None, None, None]
+    b4 = blk[:, :, None, None]
+    ql = tl.load(b4 + 32 * c + 16 * lh + ll, mask=m4, other=0).to(tl.int32)  # [BN, 4, 2, 16]
+    qh = tl.load(b4 + 128 + 32 * (c // 2) + 16 * lh + ll, mask=m4, other=0).to(tl.int32)
+    f1 = c % 2
+    q_lo = ((ql & 15) | (((qh >> (2 * f1)) & 3) << 4)) - 32
+    q_hi = ((ql >> 4) | (((qh >> (2 * f1 + 4)) & 3) << 4)) - 32
+    xk = x_row + k0 + 128 * (c // 2) + 32 * f1 + 16 * lh + ll  # [1, 4, 2, 16]
+    dot_lo = tl.sum(q_lo.to(tl.float32) * tl.load(xk).to(tl.float32), axis=3)  # [BN, 4, 2]
+    dot_hi = tl.sum(q_hi.to(tl.float32) * tl.load(xk + 64).to(tl.float32), axis=3)
+    c3 = tl.arange(0, 4)[None, :, None]
+    s_at = blk[:, :, None] + 192 + 8 * (c3 // 2) + 2 * (c3 % 2) + tl.arange(0, 2)[None, None, :]
+    m3 = n_ok[:, None, None]
+    sc_lo = tl.load(s_at, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    sc_hi = tl.load(s_at + 4, mask=m3, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    part = tl.sum(tl.sum(sc_lo * dot_lo + sc_hi * dot_hi, axis=2), axis=1)
+    return _f16(blk + 208, n_ok[:, None]).reshape(part.shape) * part
+
+
+@triton.jit
 def gemv_block(FMT: tl.constexpr, w_rows, s_rows, x_row, k0, n_ok, BK: tl.constexpr):
     """fp32 [BLOCK_N]: sum over k0 <= k < k0 + BK of W[n, k] x[k] (K a multiple of BK)."""
     if FMT == 1:
@@ -89,6 +117,8 @@ def gemv_block(FMT: tl.constexpr, w_rows, s_rows, x_row, k0, n_ok, BK: tl.conste
         acc = _q8_0_dot(w_rows, x_row, k0, n_ok, BK)
     elif FMT == 13:
         acc = _q4_k_dot(w_rows, x_row, k0, n_ok, BK)
+    elif FMT == 15:
+        acc = _q6_k_dot(w_rows, x_row, k0, n_ok, BK)
     else:
         k = k0 + tl.arange(0, BK)
         w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None])
