@@ -14,6 +14,14 @@ stamp_src=$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt CMakeLis
 stamp="$VENV/.freetoken-setup-$stamp_src"
 if [ -f "$stamp" ]; then exit 0; fi
 
+# The chat page's browser test drives Debian's chromium through chromedriver (a browser from
+# the distribution, never a downloaded build). Only as root (CI is), and only when missing.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+  && ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; }; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+    chromium chromium-driver >/dev/null || echo "chromium not installed: its test will skip"
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --upgrade pip

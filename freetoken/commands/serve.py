@@ -57,6 +57,8 @@ def served_name(model: str | None) -> str:
     if model is None or model in assets.known_models():
         return model or assets.DEFAULT_MODEL
     p = Path(model)
+    if not p.exists() and assets.HUB_NAME.match(model):
+        return model.partition(":")[0]  # the hub name, as vLLM serves it
     return p.stem if p.suffix == ".gguf" else p.name
 
 

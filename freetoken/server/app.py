@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from freetoken.server import anthropic_routes, openai_routes, responses_routes
@@ -25,9 +27,10 @@ from freetoken.server.protocol_openai import DetokenizeRequest, TokenizeRequest
 from freetoken.server.serving import ServerState, encode_text, parse_body, render_chat
 
 log = logging.getLogger("freetoken.server")
+CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
 _KNOWN_ROUTES = {
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/messages", "/v1/responses",
-    "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize",
+    "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize", "/",
 }
 
 
@@ -119,6 +122,15 @@ def build_app(state: ServerState, *, api_key: str | None = None,
     if max_body_bytes:
         app.add_middleware(BodyLimit, limit=max_body_bytes)
     metrics = state.engine.metrics
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page():
+        # What the page must know before its first API call (so it never draws a 401 it could
+        # have avoided): the served name and whether /v1 needs a key. Never the key itself.
+        page = CHAT_PAGE.read_text(encoding="utf-8")
+        conf = {"model": state.served_model_name, "api_key_required": bool(api_key)}
+        page = page.replace("/*SERVER_CONFIG*/null", json.dumps(conf).replace("<", "\\u003c"))
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():
