@@ -99,6 +99,10 @@ class Engine:
         """Largest decode batch captured as a CUDA graph (0: none; the CPU never captures)."""
         if config.disable_cuda_graph or self.device.type != "cuda":
             return 0
+        if self.moe is not None:  # NOTE: a replay would skip the backend's host-side work
+            logger.info("CUDA graphs off: the %s MoE backend runs host code inside the "
+                        "forward; decode runs eagerly", self.moe.backend)
+            return 0
         return config.cuda_graph_max_bs or config.max_running_requests
 
     def _load(self, config: EngineConfig, tokenizer: Tokenizer | None):
