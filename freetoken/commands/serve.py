@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -74,8 +75,12 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def make_app(cfg: ServerConfig, engine_factory=None):
-    """The app with its engine thread (not started); engine_factory defaults to `Engine`."""
+def make_app(cfg: ServerConfig, engine_factory=None, announce: bool = False):
+    """The app with its engine thread (not started); engine_factory defaults to `Engine`.
+
+    announce: print the start-up banner (URLs, model, MoE backend, memory, context) to stderr
+    once the model is loaded.
+    """
     from freetoken.server.app import build_app
     from freetoken.server.async_engine import AsyncEngine
     from freetoken.server.responses_store import ResponseStore
@@ -100,6 +105,12 @@ def make_app(cfg: ServerConfig, engine_factory=None):
         state.reasoning_parser, state.tool_call_parser = r, t
         log.info("serving %r: reasoning parser %s, tool-call parser %s",
                  state.served_model_name, r, t)
+        if announce:
+            from freetoken.server.banner import banner
+
+            path = str(assets.resolve_model(cfg.engine.model))
+            text = banner(state, engine, cfg.host, cfg.port, bool(cfg.api_key), path)
+            print(text, file=sys.stderr, flush=True)
         return engine
 
     state.engine = AsyncEngine(load, max_in_flight=cfg.max_in_flight_requests)
@@ -112,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = server_config_from_args(args)
     _check(cfg.engine)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    app = make_app(cfg)
+    app = make_app(cfg, announce=True)
     log.info("listening on http://%s:%d (model loading; /health is 503 until ready)",
              cfg.host, cfg.port)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=args.log_level,

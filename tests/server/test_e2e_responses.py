@@ -40,6 +40,13 @@ def oai(server) -> openai.OpenAI:
                          timeout=900)
 
 
+def test_start_up_banner(server):
+    log = server.log.read_text(errors="replace")
+    assert f"chat page    {server.base}/" in log and f"API          {server.base}/v1:" in log
+    assert "MoE backend  none (a dense model)" in log and "GiB host (resident)" in log
+    assert "context      2048 tokens per request" in log and "tool calls hermes" in log
+
+
 def test_text(oai):
     r = oai.responses.create(model=MODEL, input="Say hello.", instructions="Answer briefly.",
                              temperature=0, max_output_tokens=4)
