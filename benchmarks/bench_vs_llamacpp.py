@@ -9,8 +9,13 @@ exist (scripts/make_random_gguf.py). `--llama` names a llama-bench binary, or ll
 source (an unpacked sdist directory or the .tar.gz, unpacked into --work): llama.cpp is then
 built from its `vendor/llama.cpp` with CUDA for the H200 (FACTS.md):
 
-    cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF
+    cmake -B b -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_CURL=OFF \
+          -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
     cmake --build b -j16 --target llama-bench
+
+The whole sdist (77 MB) is larger than what may travel to the GPU machine (64 MiB); a tarball
+of its vendor/llama.cpp without `models/` (tokenizer test vocabularies) and `docs/` is 13 MB and
+builds the same llama-bench (tests and examples are not configured, so nothing reads those).
 
 llama-bench runs `-ngl 99 -t THREADS -p PROMPT -n GEN -o json` (batch-1 decode and a prompt of
 PROMPT tokens, both in tokens/s); FreeToken runs `ft bench decode` at every --batch with the
@@ -30,7 +35,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CMAKE_CONFIG = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DLLAMA_CURL=OFF"]
+CMAKE_CONFIG = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90", "-DLLAMA_CURL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------
