@@ -5,7 +5,8 @@ logits `[S, V]`, one row per request that samples this step, in batch order (on 
 the caller reads back only the sampled ids).
 
 `prepare` builds a step's metadata with numpy over whole arrays (no loop per token), packs it
-into one int64 host buffer (pinned on CUDA) and sends it in one non-blocking copy. Pure-decode
+into one host buffer (pinned on CUDA; int32 fields viewed in its tail) and sends it in one
+non-blocking copy. Pure-decode
 steps on CUDA replay a captured graph (`freetoken.engine.cuda_graph`); the rest run eagerly.
 """
 
@@ -112,6 +113,50 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardContext, torch.Tensor]:
         """Flatten the batch's new tokens and describe their place in the paged KV cache."""
+        reqs = batch.requests
+        b = len(reqs)
+        width = max(len(r.pages) for r in reqs)
+        table = np.zeros((b, width), np.int64)
+        for i, r in enumerate(reqs):
+            table[i, :len(r.pages)] = r.pages
+        decode = all(k == 1 for k in batch.num_new)
+        ids, positions, slots, rows, cu, seq_lens = (
+            self._decode_rows(reqs) if decode else self._token_rows(batch, table))
+        state_slots = self._state_slots(batch)
+        longs = [ids, positions, slots, rows, state_slots]
+        ints = [cu, seq_lens, table.reshape(-1)]
+        (ids_t, pos_t, slots_t, rows_t, state_t), (cu_t, lens_t, table_t) = self._upload(
+            longs, ints)
+        ctx = ForwardContext(
+            positions=pos_t,
+            cu_seqlens_q=cu_t,
+            seq_lens=lens_t,
+            page_table=table_t.reshape(b, width),
+            slot_mapping=slots_t,
+            logits_indices=rows_t,
+            page_size=self.page_size,
+            kv_caches=self.kv_caches,
+            state_slots=state_t if self.states else None,
+            recurrent_states=self.states,
+            cu_seqlens_q_list=list(cu),
+            seq_lens_list=list(seq_lens),
+            state_slots_list=state_slots,
+            max_seqlen_q=max(batch.num_new),
+        )
+        return ctx, ids_t
+
+    def _decode_rows(self, reqs: list) -> tuple[list[int], ...]:
+        """One new token per request (the hot path): plain lists of length B."""
+        ps = self.page_size
+        pos = [r.num_computed for r in reqs]
+        ids = [new_token_ids(r, p, 1)[0] for r, p in zip(reqs, pos)]
+        slots = [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, pos)]
+        rows = [i for i, (r, p) in enumerate(zip(reqs, pos)) if p + 1 == r.num_tokens]
+        return ids, pos, slots, rows, list(range(len(reqs) + 1)), [p + 1 for p in pos]
+
+    def _token_rows(self, batch: ScheduledBatch, table: np.ndarray) -> tuple[list[int], ...]:
+        """Any mix of prefill chunks and decodes: numpy over the T tokens (no loop per token).
+        """
         ps, reqs = self.page_size, batch.requests
         b = len(reqs)
         n = np.asarray(batch.num_new, dtype=np.int64)
@@ -121,43 +166,30 @@ class ModelRunner:
         np.cumsum(n, out=cu[1:])
         seq = np.repeat(np.arange(b), n)  # [T] sequence of each token
         positions = np.arange(cu[-1]) - cu[:-1][seq] + start[seq]
-        width = max(len(r.pages) for r in reqs)
-        table = np.zeros((b, width), np.int64)
-        for i, r in enumerate(reqs):
-            table[i, :len(r.pages)] = r.pages
         slots = table[seq, positions // ps] * ps + positions % ps
-        logits_rows = cu[1:][start + n == total] - 1
-        ids = np.fromiter(chain.from_iterable(
-            new_token_ids(r, s, k) for r, s, k in zip(reqs, start.tolist(), n.tolist())),
-            np.int64, int(cu[-1]))
-        state_slots = self._state_slots(batch)
-        seq_lens = start + n
-        parts = [ids, positions, slots, logits_rows, np.asarray(state_slots, np.int64), cu,
-                 seq_lens, table.reshape(-1)]
-        dev = self._upload(np.concatenate(parts)).split([len(p) for p in parts])
-        cu_list, lens_list = cu.tolist(), seq_lens.tolist()
-        ctx = ForwardContext(
-            positions=dev[1],
-            cu_seqlens_q=dev[5].to(torch.int32),
-            seq_lens=dev[6].to(torch.int32),
-            page_table=dev[7].to(torch.int32).reshape(b, width),
-            slot_mapping=dev[2],
-            logits_indices=dev[3],
-            page_size=ps,
-            kv_caches=self.kv_caches,
-            state_slots=dev[4] if self.states else None,
-            recurrent_states=self.states,
-            cu_seqlens_q_list=cu_list,
-            seq_lens_list=lens_list,
-            state_slots_list=state_slots,
-            max_seqlen_q=int(n.max()),
-        )
-        return ctx, dev[0]
+        rows = cu[1:][start + n == total] - 1
+        ids = list(chain.from_iterable(
+            new_token_ids(r, s, k) for r, s, k in zip(reqs, start.tolist(), n.tolist())))
+        return (ids, positions.tolist(), slots.tolist(), rows.tolist(), cu.tolist(),
+                (start + n).tolist())
 
-    def _upload(self, host: np.ndarray) -> torch.Tensor:
-        """One host -> device copy. On CUDA from pinned memory, non-blocking: the caching host
+    def _upload(self, longs: list[list[int]], ints: list
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """int64 arrays and int32 arrays on the device in one host -> device copy: the int32
+        values ride in the int64 buffer's tail and come out as an int32 view (no conversion
+        kernels). On CUDA the copy is from pinned memory and non-blocking: the caching host
         allocator keeps the pinned block until the copy has run, so nothing waits here."""
-        t = torch.from_numpy(host)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        small = np.concatenate([np.asarray(a, np.int32) for a in ints])
+        if small.size % 2:
+            small = np.append(small, np.int32(0))
+        flat = list(chain.from_iterable(longs))
+        host = torch.from_numpy(np.concatenate([np.asarray(flat, np.int64),
+                                                small.view(np.int64)]))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        n_long = sum(len(a) for a in longs)
+        tail = dev[n_long:].view(torch.int32)
+        sizes = [len(a) for a in ints]
+        return (list(dev[:n_long].split([len(a) for a in longs])),
+                list(tail.split(sizes + [small.size - sum(sizes)]))[:len(ints)])
