@@ -1,5 +1,6 @@
-"""Every format's Triton decode (`freetoken.kernels.triton.quant.decode_tile`) reproduces the
-codecs bit for bit: a tiny kernel writes the decoded rows (`triton_rows`), compared with
+"""Every format's Triton decode (`freetoken.kernels.triton.quant.decode_tile`, and the
+vectorized tiles of `freetoken.kernels.triton.tiles`) reproduces the codecs bit for bit: tiny
+kernels write the decoded rows (`triton_rows`, `triton_dequantize`), compared with
 `freetoken.formats.dequant.dequantize` as int32 bit patterns (signed zeros included; NaN where
 and only where the codec has NaN), and for GGUF types also with gguf-py's numpy dequantize.
 
@@ -23,7 +24,11 @@ import pytest  # noqa: E402
 
 from freetoken.formats.dequant import dequantize  # noqa: E402
 from freetoken.formats.qweight import QuantWeight  # noqa: E402
-from freetoken.kernels.triton.linear import dequantize_at_load, triton_rows  # noqa: E402
+from freetoken.kernels.triton.linear import (  # noqa: E402
+    dequantize_at_load,
+    triton_dequantize,
+    triton_rows,
+)
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -75,6 +80,14 @@ def test_decode_is_bit_exact(name):
     if qw.fmt == "gguf":  # the independent numpy reference, for the GGUF types
         ref_np = gguf.quants.dequantize(qw.data.numpy(), qw.ggml_type).reshape(qw.shape)
         _assert_same_bits(got, torch.from_numpy(np.ascontiguousarray(ref_np)))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "Q8_0", "Q4_K"])
+def test_fast_tiles_are_bit_exact(name):
+    """The tl.dot paths' vectorized tiles (freetoken.kernels.triton.tiles) equal the codecs."""
+    qw = _weights(name, torch.Generator().manual_seed(len(name) * 5 + 2))
+    got = triton_dequantize(_on(qw, DEV)).cpu()
+    _assert_same_bits(got, dequantize(qw))
 
 
 def test_rows_apply_a_scalar_scale2():

@@ -23,6 +23,7 @@ import triton.language as tl
 from freetoken.formats.qweight import QuantWeight
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.quant import decode_tile, format_id
+from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
 
 log = logging.getLogger(__name__)
 _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -56,7 +57,7 @@ def _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT: tl.constexpr):
 def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
                 stride_xm, stride_wn, stride_sn, stride_om, K: tl.constexpr,
                 FMT: tl.constexpr, SCALE2: tl.constexpr, DOT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr):
     pid_m = tl.program_id(0)  # tokens vary fastest: programs that share rows run together
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -73,7 +74,10 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
         for k0 in tl.range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             k_ok = k < K
-            w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
+            if FAST:
+                w = fast_tile(FMT, w_rows, s_rows, k0, n_ok, BK)
+            else:
+                w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
             x = tl.load(x_rows + k[None, :], mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
             acc = _dot_acc(acc, x, w, DOT)
     if SCALE2 == 1:
@@ -140,9 +144,10 @@ def _blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, int, int, int]:
     bk = gemv_bk(fmt, k)
     if m == 1 and bk is not None:
         return 1, (4 if n <= 4096 else 8), bk, 4
+    bk = 256 if has_fast_tile(fmt, k, 256) else 64
     if m <= 64:
-        return max(16, triton.next_power_of_2(m)), 32, 128, 4
-    return 64, 64, 64, 4
+        return max(16, triton.next_power_of_2(m)), 32, bk, 4
+    return 64, 64, bk, 8
 
 
 def triton_linear(x: torch.Tensor, qw: QuantWeight,
@@ -167,7 +172,8 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,
-                      BM=bm, BN=bn, BK=bk, num_warps=warps, enable_fp_fusion=False)
+                      BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(fmt, k, bk), num_warps=warps,
+                      enable_fp_fusion=False)
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -190,6 +196,21 @@ def triton_rows(qw: QuantWeight, ids: torch.Tensor, dtype: torch.dtype,
         _decode_rows_kernel[grid](flat, data, scales, s2, out, k, data.stride(-2),
                                   scales.stride(-2), out.stride(0), FMT=fmt, SCALE2=mode, BK=bk,
                                   enable_fp_fusion=False)
+    return out
+
+
+def triton_dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32,
+                      bn: int = 16) -> torch.Tensor:
+    """The whole 2-D weight decoded on the device by the fast tiles (no scale2): [N, K]."""
+    fmt, (n, k) = format_id(qw), qw.shape
+    bk = 256 if fmt == 13 else 64
+    if fmt is None or not has_fast_tile(fmt, k, bk):
+        raise ValueError(f"{qw.source or 'weight'}: no fast tile decode for {qw.fmt} K={k}")
+    data, scales = weight_args(qw)
+    out = torch.empty(n, k, dtype=dtype, device=data.device)
+    _dequant_kernel[(triton.cdiv(n, bn), k // bk)](
+        data, scales, out, n, data.stride(-2), scales.stride(-2), out.stride(0), K=k, FMT=fmt,
+        BN=bn, BK=bk, enable_fp_fusion=False)
     return out
 
 

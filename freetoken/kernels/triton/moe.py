@@ -22,6 +22,7 @@ import triton.language as tl
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
 from freetoken.kernels.triton.quant import decode_tile, format_id
+from freetoken.kernels.triton.tiles import fast_tile, has_fast_tile
 from freetoken.moe.banks import ExpertBank
 
 _ACT = {"silu": 0, "gelu_tanh": 1}
@@ -50,7 +51,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
                     stride_xm, stride_ws, stride_wn, stride_ss, stride_sn, stride_am,
                     K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                     FMT: tl.constexpr, DOT: tl.constexpr, ACT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr):
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
     if slot < 0:
         return
@@ -75,8 +76,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
             k_ok = k < K
             w_ok = n_ok[:, None] & k_ok[None, :]
             x = tl.load(x_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_g = _dot_acc(acc_g, x, decode_tile(FMT, wg, sg, k[None, :], w_ok), DOT)
-            acc_u = _dot_acc(acc_u, x, decode_tile(FMT, wu, su, k[None, :], w_ok), DOT)
+            if FAST:
+                g = fast_tile(FMT, wg, sg, k0, n_ok, BK)
+                u = fast_tile(FMT, wu, su, k0, n_ok, BK)
+            else:
+                g = decode_tile(FMT, wg, sg, k[None, :], w_ok)
+                u = decode_tile(FMT, wu, su, k[None, :], w_ok)
+            acc_g = _dot_acc(acc_g, x, g, DOT)
+            acc_u = _dot_acc(acc_u, x, u, DOT)
     s = bank_s_ptr + slot * 4
     a = _glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
@@ -87,7 +94,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
 def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
                  y_ptr, R, stride_am, stride_ws, stride_wn, stride_ss, stride_sn, stride_ym,
                  K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr):
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
     if slot < 0:
         return
@@ -106,7 +113,10 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
         for k0 in tl.range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             k_ok = k < K
-            w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
+            if FAST:
+                w = fast_tile(FMT, w_rows, s_rows, k0, n_ok, BK)
+            else:
+                w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None] & k_ok[None, :])
             a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot_acc(acc, a, w, DOT)
     r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
@@ -168,7 +178,10 @@ def _tiles(tokens: int, bank: ExpertBank) -> tuple[int, int, int, int]:
     bk2 = gemv_bk(format_id(bank.w2), bank.intermediate)
     if tokens <= 16 and bk13 is not None and bk2 is not None:
         return 1, 4, min(bk13, bk2), 4
-    return (16, 64, 64, 4) if tokens <= 128 else (64, 64, 64, 4)
+    f13, f2 = format_id(bank.w13), format_id(bank.w2)
+    fast = has_fast_tile(f13, bank.hidden, 256) and has_fast_tile(f2, bank.intermediate, 256)
+    bk = 256 if fast else 64
+    return (16, 32, bk, 4) if tokens <= 128 else (64, 64, bk, 8)
 
 
 def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
@@ -200,10 +213,12 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         x, w13, s13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
         FMT=format_id(bank.w13), DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
-        num_warps=warps, enable_fp_fusion=False)
+        FAST=has_fast_tile(format_id(bank.w13), h, bk), num_warps=warps,
+        enable_fp_fusion=False)
     _down_kernel[(nb, triton.cdiv(h, bn))](
         a, w2, s2, scales, route_ids, block_slot, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
-        FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk, num_warps=warps,
+        FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk,
+        FAST=has_fast_tile(format_id(bank.w2), inter, bk), num_warps=warps,
         enable_fp_fusion=False)
     return y.view(t, topk, h).sum(1).to(x.dtype)
