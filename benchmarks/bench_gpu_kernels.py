@@ -1,7 +1,7 @@
 """GB/s of the Triton quantized kernels per format and shape, next to the HBM copy bandwidth.
 
     python benchmarks/bench_gpu_kernels.py [--formats nvfp4,Q4_K] [--moe-tokens 1,16,512]
-        [--sweep nvfp4,Q4_K]   # first: GB/s per GEMV tile choice at one token
+        [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
 
 Shapes are Qwen3-30B-A3B's (FACTS.md): dense qkv 5120x2048, o_proj 2048x4096, lm_head
 151936x2048; MoE 128 experts, hidden 2048, FFN 768, top-8. Bytes are the weight bytes a call
@@ -133,36 +133,57 @@ def bench_moe(fmt: str, tokens: list[int], hbm: float, e: int = 128, h: int = 20
         _row("moe", fmt, t, touched * per_expert, 6 * t * topk * h * inter, eager, graph, hbm)
 
 
-SWEEP = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4),
-         (16, 256, 8), (32, 256, 8)]
+GEMV_TILES = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4),
+              (16, 256, 8), (32, 256, 8)]
+# (BM, BN, BK, num_warps) for 16 and 512 tokens; BK 0 = the format's (256 for Q4_K, else 128)
+DOT_TILES = {16: [(16, 16, 0, 4), (16, 32, 0, 4), (16, 64, 0, 4), (16, 32, 0, 8)],
+             512: [(64, 64, 0, 4), (64, 64, 0, 8), (128, 64, 0, 8), (64, 128, 0, 8),
+                   (128, 128, 0, 8), (32, 64, 0, 4)]}
+
+
+def _try(label: str, fn, nbytes: float, flops: float) -> str:
+    try:
+        eager, graph = time_call(fn)
+        g = graph or eager
+    except Exception as e:  # noqa: BLE001 - one failing tile choice must not end the sweep
+        return f"{label} failed: {type(e).__name__}: {str(e)[:80]}"
+    return f"{label} {nbytes / g / 1e6:5.0f} GB/s {flops / g / 1e9:5.1f} TF/s {g * 1e3:7.1f} us"
 
 
 def sweep(fmt: str, hbm: float) -> None:
-    """GEMV tile choices (BN, BK, num_warps) at one token: dense o_proj / qkv and a MoE layer."""
+    """Tile choices: dense o_proj / qkv and a MoE layer at 1, 16 and 512 tokens."""
     from freetoken.kernels.triton.linear import triton_linear
     from freetoken.kernels.triton.moe import fused_moe_triton
 
     e, h, inter, topk = 128, 2048, 768, 8
     bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
                       torch.rand(e, 4, device="cuda") + 0.5)
-    ids = torch.randperm(e, device="cuda")[:topk].reshape(1, topk)
-    w = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
-    xm = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    moe_bytes = topk * (bank.w13.nbytes() + bank.w2.nbytes()) / e
+    per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
     dense = [(n, k, make_weight(fmt, (n, k))) for _, n, k in DENSE[:2]]
-    for bn, bk, warps in SWEEP:
-        if fmt in ("Q4_K", "Q6_K") and bk != 256:
-            continue
-        cells = []
-        for n, k, qw in dense:
-            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            _, g = time_call(lambda x=x, qw=qw, t=(1, bn, bk, warps): triton_linear(x, qw, t))
-            cells.append(f"{n}x{k} {qw.nbytes() / g / 1e6:6.0f}")
-        _, g = time_call(lambda t=(1, bn, bk, warps): fused_moe_triton(xm, bank, ids, w, "silu",
-                                                                       None, t))
-        cells.append(f"moe {moe_bytes / g / 1e6:6.0f} ({g * 1e3:.1f} us)")
-        print(f"sweep {fmt:6s} BN={bn:2d} BK={bk} warps={warps}: " + "  ".join(cells) +
-              f"  GB/s (HBM {hbm:.0f})")
+    fbk = 256 if fmt in ("Q4_K", "Q6_K") else 128
+    for m in (1, 16, 512):
+        tiles = [(1, bn, bk, w) for bn, bk, w in GEMV_TILES] if m == 1 else \
+            [(bm, bn, bk or fbk, w) for bm, bn, bk, w in DOT_TILES[m]]
+        if m == 16:
+            tiles += [(1, bn, bk, w) for bn, bk, w in GEMV_TILES[2:5]]  # per-route MoE
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k, _ in dense}
+        ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)])
+        w = torch.softmax(torch.randn(m, topk, device="cuda"), -1)
+        xm = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        moe_bytes = int(torch.unique(ids).numel()) * per_expert
+        for t in tiles:
+            if fmt in ("Q4_K", "Q6_K") and t[2] != 256:
+                continue
+            cells = []
+            if t[0] != 1 or m == 1:
+                for n, k, qw in dense:
+                    cells.append(_try(f"{n}x{k}", lambda x=xs[k], qw=qw, t=t:
+                                      triton_linear(x, qw, t), qw.nbytes(), 2 * m * n * k))
+            moe = (xm, bank, ids, w, "silu", None, t)
+            cells.append(_try("moe", lambda a=moe: fused_moe_triton(*a), moe_bytes,
+                              6 * m * topk * h * inter))
+            print(f"sweep {fmt:6s} m={m:3d} tiles={t}: " + " | ".join(cells), flush=True)
+    print(f"(HBM copy {hbm:.0f} GB/s)")
 
 
 def main() -> None:

@@ -169,6 +169,8 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
     bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt)
+    if bm == 1 and k % bk:
+        raise ValueError(f"linear: GEMV chunk BK={bk} must divide K={k}")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,

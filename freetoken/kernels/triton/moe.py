@@ -198,6 +198,9 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
     bm, bn, bk, warps = tiles or _tiles(t, bank)
+    if bm == 1 and (h % bk or inter % bk):
+        raise ValueError(f"fused_moe: GEMV chunk BK={bk} must divide hidden {h} and "
+                         f"intermediate {inter}")
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     y = torch.zeros(r, h, dtype=torch.float32, device=x.device)
