@@ -1,4 +1,5 @@
-"""Decode CUDA graphs: buckets, a no-op without CUDA, and on CUDA the same greedy (and seeded)
+"""Decode CUDA graphs: buckets, a no-op without CUDA, the gated delta-net's graph-safe decode
+path (on the CPU, against the per-sequence path), and on CUDA the same greedy (and seeded)
 tokens as eager decode on tiny dummy-weight models, with exactly one host sync per replayed
 decode step (the sampled ids' read-back), checked under torch's sync debug mode "error"."""
 
@@ -11,9 +12,12 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine import sampler
+from freetoken.engine.context import ForwardContext
 from freetoken.engine.cuda_graph import buckets
 from freetoken.engine.engine import Engine
 from freetoken.engine.sampling_params import SamplingParams
+from freetoken.formats.qweight import QuantWeight
+from freetoken.layers.gdn import GatedDeltaNet, GDNSpec, alloc_states
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -61,6 +65,60 @@ def count_replays(eng: Engine) -> list[int]:
 def test_no_graphs_without_cuda():
     eng = dummy_engine(device="cpu", cuda_graph_max_bs=4)
     assert eng.runner.graphs is None
+
+
+def random_gdn(spec: GDNSpec, g: torch.Generator) -> GatedDeltaNet:
+    layer = GatedDeltaNet(spec, 0)
+    for lin in (layer.in_proj, layer.out_proj):
+        for part, out in lin.parts.items():
+            w = 0.2 * torch.randn(out, lin.in_features, generator=g)
+            lin.load(part, QuantWeight(w, "f32", tuple(w.shape), source=part))
+        lin.finalize(torch.float32, "cpu")
+    layer.conv1d.weight.value = 0.5 * torch.randn(spec.conv_dim, spec.conv_kernel, generator=g)
+    layer.A_log.value = -torch.rand(spec.num_v_heads, generator=g)
+    layer.dt_bias.value = torch.randn(spec.num_v_heads, generator=g)
+    return layer
+
+
+def test_gdn_decode_path_equals_per_sequence_path():
+    """A pure-decode step (what a graph captures: batched, no host lists) against the
+    per-sequence path on the same step: sequences at positions 5 and 9 continue their state,
+    a one-token prompt at position 0 starts from zeros although its slot holds stale state."""
+    g = torch.Generator().manual_seed(0)
+    spec = GDNSpec(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                   conv_kernel=4)
+    layer = random_gdn(spec, g)
+    x = torch.randn(3, 32, generator=g)
+    pools = alloc_states([spec.state_shapes()], 5)
+    for t in pools[0]:
+        t.copy_(torch.randn(t.shape, generator=g))
+    outs, states = [], []
+    for host in (False, True):
+        ctx_pools = [tuple(t.clone() for t in pools[0])]
+        ctx = ForwardContext(
+            positions=torch.tensor([5, 0, 9]), cu_seqlens_q=torch.arange(4, dtype=torch.int32),
+            seq_lens=torch.tensor([6, 1, 10], dtype=torch.int32),
+            page_table=torch.zeros(3, 1, dtype=torch.int32), slot_mapping=torch.arange(3),
+            logits_indices=torch.arange(3), page_size=16, state_slots=torch.tensor([3, 0, 2]),
+            recurrent_states=ctx_pools)
+        if host:  # the per-sequence path, given host lists
+            conv, ssm = ctx_pools[0]
+            mixed, _, b, a = layer.in_proj(x).split(layer.sizes, dim=-1)
+            beta = torch.sigmoid(b)
+            decay = layer.A_log.value * torch.nn.functional.softplus(a + layer.dt_bias.value)
+            outs.append(layer._mixed(mixed, decay, beta, conv, ssm, ctx))
+        else:
+            assert ctx.is_decode
+            mixed, _, b, a = layer.in_proj(x).split(layer.sizes, dim=-1)
+            beta = torch.sigmoid(b)
+            decay = layer.A_log.value * torch.nn.functional.softplus(a + layer.dt_bias.value)
+            conv, ssm = ctx_pools[0]
+            outs.append(layer._decode(mixed, decay, beta, conv, ssm, ctx.state_slots,
+                                      ctx.positions))
+        states.append(ctx_pools[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(states[0], states[1]):  # slot 1 is nobody's; slot 4 the scratch
+        torch.testing.assert_close(a[[0, 2, 3]], b[[0, 2, 3]], atol=1e-5, rtol=1e-5)
 
 
 @needs_cuda
