@@ -41,6 +41,7 @@ from freetoken.server.serving import (
 )
 
 router = APIRouter()
+_BACKGROUND: set[asyncio.Task] = set()
 
 
 def function_tools(state: ServerState, req: ResponseCreateRequest) -> list[FunctionTool]:
@@ -152,9 +153,12 @@ async def collect(request: Request, gen: AsyncIterator[dict]) -> None:
             raise APIError(499, "client closed the request")
 
 
-async def sse(gen: AsyncIterator[dict]) -> AsyncIterator[str]:
-    async for ev in gen:
-        yield f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
+async def sse(gen) -> AsyncIterator[str]:
+    try:
+        async for ev in gen:
+            yield f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
+    finally:
+        await gen.aclose()  # client gone: abort generation now, not when gen is collected
 
 
 @router.post("/v1/responses")
@@ -170,6 +174,8 @@ async def create_response(request: Request):
     gen = events(run, stream, rec)
     if req.background:
         rec.task = asyncio.ensure_future(_exhaust(gen))
+        _BACKGROUND.add(rec.task)  # NOTE: the loop keeps only weak references to tasks
+        rec.task.add_done_callback(_BACKGROUND.discard)
         return JSONResponse(run.response())
     if req.stream:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import DEFAULT_REPLY, FakeEngine
-from helpers import ThreadServer
+from helpers import ThreadServer, metric
 from openai.types.responses import Response
 
 from freetoken import assets
@@ -180,6 +180,20 @@ def test_bad_input_is_4xx_and_the_server_keeps_serving(server, body, status, fra
     assert fragment in err["message"] and err["type"]
     ok = httpx.post(server.base + "/v1/responses", json={"model": "fake", "input": "hi"})
     assert ok.status_code == 200 and ok.json()["status"] == "completed"
+
+
+def test_stream_disconnect_aborts_generation(server):
+    body = {"model": "fake", "input": say(LONG), "stream": True}
+    aborted = metric(server.base, "freetoken_request_finished_total", 0, reason="abort")
+    with httpx.stream("POST", server.base + "/v1/responses", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        assert any("response.output_text.delta" in line for line in lines)
+    deadline = time.monotonic() + 10
+    while metric(server.base, "freetoken_http_requests_in_flight") and (
+            time.monotonic() < deadline):
+        time.sleep(0.05)
+    assert metric(server.base, "freetoken_http_requests_in_flight") == 0
+    assert metric(server.base, "freetoken_request_finished_total", reason="abort") == aborted + 1
 
 
 def test_unknown_ids_are_404(server):
