@@ -200,7 +200,7 @@ def main() -> None:
         sweep(fmt, hbm)
     print(f"{'shape':10s} {'format':9s} {'tokens':>6s} {'MB':>9s} {'eager us':>9s} "
           f"{'graph us':>9s} {'GB/s':>8s} {'% HBM':>6s} {'TFLOP/s':>7s}")
-    for fmt in a.formats.split(","):
+    for fmt in filter(None, a.formats.split(",")):
         if not a.skip_dense:
             bench_dense(fmt, [int(t) for t in a.dense_tokens.split(",")], hbm)
         bench_moe(fmt, [int(t) for t in a.moe_tokens.split(",")], hbm)

@@ -138,13 +138,15 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
                      f"1 or one per output row ({n})")
 
 
-def _blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, int, int, int]:
+def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps) by shape: GEMV rows per program sized so that at batch 1 there
     are several programs per SM; GEMM tiles for tl.dot otherwise."""
     bk = gemv_bk(fmt, k)
     if m == 1 and bk is not None:
         return 1, (4 if n <= 4096 else 8), bk, 4
-    bk = 256 if has_fast_tile(fmt, k, 256) else 64
+    # 256-wide fast tiles for 16-bit dots; fp32 operands (tests, fp32 runs) are twice the bytes
+    # in shared memory: 64-wide (NVFP4 / Q8_0 keep their fast tiles, Q4_K decodes per value).
+    bk = 256 if dot and has_fast_tile(fmt, k, 256) else 64
     if m <= 64:
         return max(16, triton.next_power_of_2(m)), 32, bk, 4
     return 64, 64, bk, 8
@@ -168,7 +170,7 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
-    bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt)
+    bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt, dot)
     if bm == 1 and k % bk:
         raise ValueError(f"linear: GEMV chunk BK={bk} must divide K={k}")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))

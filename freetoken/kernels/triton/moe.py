@@ -171,7 +171,7 @@ def supported(bank: ExpertBank) -> bool:
     return format_id(bank.w13) is not None and format_id(bank.w2) is not None
 
 
-def _tiles(tokens: int, bank: ExpertBank) -> tuple[int, int, int, int]:
+def _tiles(tokens: int, bank: ExpertBank, dot: int) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps): BM = 1 (per-route GEMV) at decode sizes, tl.dot tiles above.
     The GEMV needs both K's (hidden, intermediate) to split into whole BK chunks."""
     bk13 = gemv_bk(format_id(bank.w13), bank.hidden)
@@ -180,7 +180,7 @@ def _tiles(tokens: int, bank: ExpertBank) -> tuple[int, int, int, int]:
         return 1, 4, min(bk13, bk2), 4
     f13, f2 = format_id(bank.w13), format_id(bank.w2)
     fast = has_fast_tile(f13, bank.hidden, 256) and has_fast_tile(f2, bank.intermediate, 256)
-    bk = 256 if fast else 64
+    bk = 256 if fast and dot else 64  # fp32 operands: half the width (shared memory)
     return (16, 32, bk, 4) if tokens <= 128 else (64, 64, bk, 8)
 
 
@@ -197,7 +197,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    bm, bn, bk, warps = tiles or _tiles(t, bank)
+    dot = _DOT.get(x.dtype, 0)
+    bm, bn, bk, warps = tiles or _tiles(t, bank, dot)
     if bm == 1 and (h % bk or inter % bk):
         raise ValueError(f"fused_moe: GEMV chunk BK={bk} must divide hidden {h} and "
                          f"intermediate {inter}")
@@ -206,7 +207,6 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     y = torch.zeros(r, h, dtype=torch.float32, device=x.device)
     if r == 0:
         return y.reshape(t, h).to(x.dtype)
-    dot = _DOT.get(x.dtype, 0)
     w13, s13 = weight_args(bank.w13)
     w2, s2 = weight_args(bank.w2)
     scales = bank.scales.contiguous()
