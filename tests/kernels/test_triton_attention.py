@@ -96,9 +96,12 @@ def test_decode_matches_reference(window, softcap):
     assert torch.equal(cache, ref_cache)  # the store wrote the same slots
 
 
-@pytest.mark.parametrize("d,n_q,n_kv", [(40, 6, 2), (16, 3, 3)])
-def test_decode_head_dims_and_groups(d, n_q, n_kv):
+@pytest.mark.parametrize("d,n_q,n_kv", [(40, 6, 2), (16, 3, 3), (256, 2, 1), (512, 2, 2)])
+def test_head_dims_and_groups(d, n_q, n_kv):
+    """Padded head sizes, GQA groups, and the narrower tiles of 256 / 512-wide heads."""
     out, ref, _, _ = run_both([2, 9], [1, 1], d=d, n_q=n_q, n_kv=n_kv)
+    close_fp32(out, ref)
+    out, ref, _, _ = run_both([0, 3], [20, 2], d=d, n_q=n_q, n_kv=n_kv)
     close_fp32(out, ref)
 
 
