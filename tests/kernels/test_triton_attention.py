@@ -122,6 +122,15 @@ def test_decode_split_k_matches_unsplit():
         close_fp32(out.cpu(), ref)
 
 
+def test_num_splits_few_variants():
+    """Split counts are powers of two up to 16 (few compiled variants), 1 for full batches."""
+    from freetoken.kernels.triton.attention import num_splits
+
+    seen = {num_splits(b, h, c, 64) for b in (1, 2, 3, 16, 64) for h in (1, 4, 8)
+            for c in range(16, 50000, 997)}
+    assert seen <= {1, 2, 4, 8, 16} and num_splits(64, 4, 40960, 64) == 1
+
+
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])
 def test_prefill_mixed_batch(window, softcap):
     """A fresh prompt, a chunk after a cached prefix, and a decode token in one batch."""

@@ -243,11 +243,12 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
     """Splits of the sequence for decode: enough programs to fill the GPU, at most one per 256
     keys of the table's capacity. Depends on shapes only (the same for every replay of a
-    captured graph); each program sizes its share from the sequence's length."""
+    captured graph); each program sizes its share from the sequence's length. A power of two,
+    so eager steps, whose table width varies, compile at most five variants."""
     if batch * n_kv >= 128:
         return 1
-    want = max(1, 256 // (batch * n_kv))
-    return int(max(1, min(want, 16, max_ctx // max(256, block_n))))
+    want = max(1, min(256 // (batch * n_kv), 16, max_ctx // max(256, block_n)))
+    return 1 << (want.bit_length() - 1)
 
 
 def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
