@@ -56,7 +56,8 @@ def test_triton_linear_matches_reference(fmt):
     qd = cases.to_device(qw, DEV)
     for m in BATCHES:
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
-        tiles = None if CUDA else ((1, 16, 256, 4) if m == 1 else (16, 16, 128, 4))
+        # the default choice at one token (few programs); wide tiles otherwise on the CPU
+        tiles = None if CUDA or m == 1 else (16, 16, 128, 4)
         y = triton_linear(x.to(DEV), qd, tiles)
         _check(y, x, w, qw.scale2)
         # the oracle itself: the torch path agrees with float64 within the same bound

@@ -141,14 +141,26 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
 def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps) by shape: GEMV rows per program sized so that at batch 1 there
     are several programs per SM; GEMM tiles for tl.dot otherwise."""
+    # Measured on the H200 (benchmarks/bench_gpu_kernels.py --sweep, Qwen3-30B-A3B shapes):
+    # at one token, NVFP4 / Q4_K rows in pairs with one warp per program beat 4-16 rows with
+    # 4-8 warps by 1.2-2x (qkv 5120x2048: 707 / 659 GB/s); prefill (512 tokens) NVFP4 128x64
+    # tiles, Q4_K 64x128 (86-105 / 82-99 TFLOP/s, against 56-82 with 64x64).
     bk = gemv_bk(fmt, k)
     if m == 1 and bk is not None:
+        if fmt in (1, 13):
+            return 1, 2, bk, 1
         return 1, (4 if n <= 4096 else 8), bk, 4
     # 256-wide fast tiles for 16-bit dots; fp32 operands (tests, fp32 runs) are twice the bytes
     # in shared memory: 64-wide (NVFP4 / Q8_0 keep their fast tiles, Q4_K decodes per value).
     bk = 256 if dot and has_fast_tile(fmt, k, 256) else 64
+    if m <= 16:
+        return 16, 16, bk, 4
     if m <= 64:
-        return max(16, triton.next_power_of_2(m)), 32, bk, 4
+        return triton.next_power_of_2(m), 32, bk, 4
+    if dot and fmt == 1 and k % 128 == 0:
+        return 128, 64, 128, 8
+    if dot and fmt == 13 and bk == 256:
+        return 64, 128, 256, 8
     return 64, 64, bk, 8
 
 
