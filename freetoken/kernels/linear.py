@@ -9,10 +9,15 @@ this torch path stays the CPU path and the oracle of their tests.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 from freetoken.formats.qweight import QuantWeight
+
+log = logging.getLogger(__name__)
+_FLOAT_FMT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 # Dequantize at most this many weight elements at once (4 MiB of fp32): a tile is still in
 # L2/L3 when the matmul reads it back, where a 64 MiB tile went to DRAM and back.
@@ -87,7 +92,7 @@ def _on_gpu(x: torch.Tensor, qw: QuantWeight) -> bool:
     """CUDA tensors of a format the Triton kernels decode (the rest take the torch path)."""
     if not (x.is_cuda and qw.data.is_cuda):
         return False
-    from freetoken.kernels.triton.quant import format_id
+    from freetoken.kernels.triton.formats import format_id  # no triton import
 
     return format_id(qw) is not None
 
@@ -132,3 +137,19 @@ def embedding(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.T
     )
     rows = apply_scale2(_dequantize(sub), qw.scale2)
     return rows.to(dtype).reshape(*ids.shape, qw.in_features)
+
+
+def dequantize_at_load(qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> QuantWeight:
+    """For the loader: a weight whose format has no GPU kernel (a rare GGUF type: Q2_K, Q3_K,
+    Q5_0, Q5_1, IQ*, TQ*) -> a float weight, decoded once by the reference codecs, with a log
+    line saying so; scale2 stays beside it. Weights the Triton kernels read come back as they
+    are. Needs no triton (the format table is plain Python)."""
+    from freetoken.kernels.triton.formats import format_id
+
+    if format_id(qw) is not None:
+        return qw
+    name = f"GGUF type {qw.ggml_type}" if qw.fmt == "gguf" else qw.fmt
+    log.info("%s: no GPU kernel for %s; dequantized once at load to %s",
+             qw.source or "weight", name, dtype)
+    return QuantWeight(_dequantize(qw).to(dtype), _FLOAT_FMT[dtype], tuple(qw.shape),
+                       scale2=qw.scale2, source=qw.source)

@@ -24,11 +24,8 @@ import pytest  # noqa: E402
 
 from freetoken.formats.dequant import dequantize  # noqa: E402
 from freetoken.formats.qweight import QuantWeight  # noqa: E402
-from freetoken.kernels.triton.linear import (  # noqa: E402
-    dequantize_at_load,
-    triton_dequantize,
-    triton_rows,
-)
+from freetoken.kernels.linear import dequantize_at_load  # noqa: E402
+from freetoken.kernels.triton.linear import triton_dequantize, triton_rows  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

@@ -14,20 +14,17 @@ and Triton's interpreter (CI) cannot loop over a runtime bound under numpy 2.4.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels.triton.formats import format_id
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
-from freetoken.kernels.triton.quant import decode_tile, format_id
+from freetoken.kernels.triton.quant import decode_tile
 from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
 
-log = logging.getLogger(__name__)
 _DOT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FLOAT_FMT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 @triton.jit
@@ -179,6 +176,8 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
         x2 = x2.contiguous()
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:  # an empty batch: no grid to launch
+        return out.reshape(*x.shape[:-1], n)
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
@@ -233,17 +232,3 @@ def triton_dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32,
 def triton_embedding(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     """Embedding rows decoded on the device (times a scalar scale2): [*ids.shape, K]."""
     return triton_rows(qw, ids, dtype).reshape(*ids.shape, qw.in_features)
-
-
-def dequantize_at_load(qw: QuantWeight, dtype: torch.dtype = torch.bfloat16) -> QuantWeight:
-    """A weight with no GPU kernel (a rare GGUF type) -> a float weight, decoded once at load by
-    the reference codecs, scale2 kept beside it. Weights with a kernel come back unchanged."""
-    if supported(qw):
-        return qw
-    from freetoken.formats.dequant import dequantize
-
-    name = f"ggml type {qw.ggml_type}" if qw.fmt == "gguf" else qw.fmt
-    log.info("%s: no GPU kernel for %s; dequantized once at load to %s",
-             qw.source or "weight", name, dtype)
-    return QuantWeight(dequantize(qw).to(dtype), _FLOAT_FMT[dtype], tuple(qw.shape),
-                       scale2=qw.scale2, source=qw.source)
