@@ -69,9 +69,7 @@ class ExpertCache:
         rest on the CPU, sum."""
         c = self.cache
         fetched = c.plan(layer, ids, self.fetch_limit)
-        c.fill(layer, self.hosts[layer], fetched, self.stream)
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._fill(layer, fetched)
         emap = c.expert_map(layer)
         y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
         if self.fetch_all:
@@ -80,6 +78,18 @@ class ExpertCache:
         if cpu is not None:
             y = (y.float() + cpu.to(y.device)).to(x.dtype)
         return y
+
+    def _fill(self, layer: int, fetched: torch.Tensor) -> None:
+        """Copy the fetched experts into their slots on the copy stream, which first waits for
+        the compute stream (an evicted slot may still be read by a queued kernel); compute
+        then waits for the copies."""
+        if self.stream is None:
+            self.cache.fill(layer, self.hosts[layer], fetched)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        self.cache.fill(layer, self.hosts[layer], fetched, self.stream)
+        compute.wait_stream(self.stream)
 
     def _more_rounds(self, layer: int, x, ids, w, emap, y, activation: str) -> torch.Tensor:
         """offload when a call's misses outnumber the slots it may evict (a small cache, a
@@ -92,10 +102,7 @@ class ExpertCache:
         y = y.float()
         while bool(left.any()):
             sub = ids[left].reshape(-1, 1)
-            fetched = c.plan(layer, sub, self.fetch_limit, count=False)
-            c.fill(layer, self.hosts[layer], fetched, self.stream)
-            if self.stream is not None:
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self._fill(layer, c.plan(layer, sub, self.fetch_limit, count=False))
             mine = torch.zeros(c.num_experts, dtype=torch.bool, device=ids.device)
             mine[sub.flatten().long()] = True
             emap = torch.where(mine, c.expert_map(layer), -1).to(torch.int32)
