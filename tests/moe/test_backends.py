@@ -72,6 +72,7 @@ CASES = {
     "qwen3_moe-hf": (lambda: hf_source("qwen3_moe"), False),
     "minimax_m2-hf": (lambda: hf_source("minimax_m2"), False),
     "qwen3_moe-nvfp4": (lambda: nvfp4_source("qwen3_moe"), True),
+    "qwen3_moe-hf-bf16": (lambda: hf_source("qwen3_moe"), True),  # bf16 rounding: not exact
 }
 Q, X2 = 0.25, 2.0  # cache: a quarter of one layer's experts (evictions), twice the count
 # (case, backend, cache slots per expert, batch). The whole product (3 backends x 2 caches x
@@ -86,6 +87,7 @@ MATRIX = [
     ("gemma4-gguf", "hybrid", Q, 4), ("qwen3_5_moe-gguf", "hybrid", Q, 1),
     ("qwen3_moe-hf", "cpu", Q, 4), ("qwen3_moe-hf", "offload", X2, 1),
     ("minimax_m2-hf", "hybrid", Q, 4), ("qwen3_moe-nvfp4", "cpu", Q, 1),
+    ("qwen3_moe-hf-bf16", "hybrid", Q, 4),
 ]
 
 
@@ -106,9 +108,10 @@ def float_dense(model) -> None:
             m.weight = _float(m.weight)
 
 
-def load(case: str):
-    """A fresh model of the case (host banks are per model); the fused reference cached."""
-    model, _ = load_model(CASES[case][0](), show_progress=False)
+def load(case: str, device: str = "cpu"):
+    """A fresh model of the case (host banks are per model)."""
+    dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+    model, _ = load_model(CASES[case][0](), dtype=dtype, device=device, show_progress=False)
     float_dense(model)
     return model
 
@@ -133,12 +136,14 @@ def decode(model, prompts: list[list[int]], n: int, forced: list[list[int]] | No
     the sequences continue with those tokens instead (teacher forcing). Returns the argmax
     tokens [B][n] and the logits [B, V] of every step."""
     B = len(prompts)
-    kv = SimpleKV(model.kv_cache_shapes(), pages_needed([len(p) + n for p in prompts], 16))
+    dev = model.model.norm.weight.device
+    kv = SimpleKV(model.kv_cache_shapes(), pages_needed([len(p) + n for p in prompts], 16),
+                  dtype=model.model.embed_tokens.dtype, device=dev)
     new, toks, logits_all, states = [list(p) for p in prompts], [[] for _ in prompts], [], None
     for step in range(n):
         ctx = kv.context([(i, len(t)) for i, t in enumerate(new)])
         states = attach_states(model, ctx, B, states)
-        ids = torch.tensor([t for ts in new for t in ts])
+        ids = torch.tensor([t for ts in new for t in ts], device=dev)
         logits = model.compute_logits(model(ids, ctx)[ctx.logits_indices])
         logits_all.append(logits)
         for i in range(B):
@@ -150,19 +155,20 @@ def decode(model, prompts: list[list[int]], n: int, forced: list[list[int]] | No
 _REF: dict[tuple[str, int], tuple] = {}
 
 
-def fused_reference(case: str, batch: int):
-    key = (case, batch)
+def fused_reference(case: str, batch: int, device: str = "cpu"):
+    key = (case, batch, device)
     if key not in _REF:
-        _REF[key] = decode(load(case), PROMPTS[:batch], TOKENS)
+        _REF[key] = decode(load(case, device), PROMPTS[:batch], TOKENS)
     return _REF[key]
 
 
-def run_backend(case: str, backend: str, slots_per_expert: float, batch: int, teacher=None):
-    model = load(case)
+def run_backend(case: str, backend: str, slots_per_expert: float, batch: int, teacher=None,
+                device: str = "cpu"):
+    model = load(case, device)
     E = next(m for m in model.modules() if isinstance(m, FusedExperts)).spec.num_experts
     cfg = EngineConfig(moe_backend=backend, moe_cache_size=max(2, int(slots_per_expert * E)),
                        moe_hybrid_max_fetch=1 if backend == "hybrid" else None)
-    rt = configure_moe(model, cfg, torch.device("cpu"))
+    rt = configure_moe(model, cfg, torch.device(device))
     routes = RouteCounter(model)
     toks, logits = decode(model, PROMPTS[:batch], TOKENS, teacher)
     return toks, logits, rt.counters(), routes.total, rt
@@ -178,12 +184,12 @@ def check_counters(c: dict, routed: int, slots: int, total: int) -> None:
 @pytest.mark.parametrize("case,backend,rate,batch", MATRIX,
                          ids=[f"{c}-{b}-{'quarter' if r < 1 else '2x'}-bs{n}"
                               for c, b, r, n in MATRIX])
-def test_backend_matches_fused(case, backend, rate, batch):
-    ref_toks, ref_logits = fused_reference(case, batch)
+def test_backend_matches_fused(case, backend, rate, batch, device="cpu"):
+    ref_toks, ref_logits = fused_reference(case, batch, device)
     quantized = CASES[case][1]
     exact = backend == "offload" or not quantized
     toks, logits, c, routed, rt = run_backend(case, backend, rate, batch,
-                                              None if exact else ref_toks)
+                                              None if exact else ref_toks, device)
     total = rt.cache.cache.num_layers * rt.cache.cache.num_experts
     check_counters(c, routed, rt.num_slots, total)
     if rate < 1:
@@ -204,6 +210,15 @@ def test_backend_matches_fused(case, backend, rate, batch):
         sure = (top[:, 0] - top[:, 1]) > 2 * diff
         agree = a.argmax(-1) == r.argmax(-1)
         assert bool((agree | ~sure).all()), f"step {step}: top-1 differs with margin > 2*diff"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["offload", "cpu", "hybrid"])
+@pytest.mark.parametrize("case", ["qwen3_moe-gguf", "qwen3_moe-hf"])
+def test_backend_matches_fused_cuda(case, backend):
+    """The same equality on a GPU, float32: slots in device memory, host banks pinned."""
+    test_backend_matches_fused(case, backend, Q, 4, device="cuda")
 
 
 def test_auto_and_no_gpu_are_logged(caplog):
