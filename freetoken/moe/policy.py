@@ -80,7 +80,12 @@ def save_profiles(entries: dict, path: Path | None = None) -> Path:
 
 
 def find_profile(fmt: str) -> dict | None:
-    return load_profiles().get(profile_key(fmt))
+    """This machine's profile for an expert format; None without one, or when it holds no
+    PCIe figures (measured without a GPU: it says nothing about the split)."""
+    prof = load_profiles().get(profile_key(fmt))
+    if prof is None or prof.get("pcie_both_gbps") is None:
+        return None
+    return prof
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,13 @@ MATRIX = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_profile(monkeypatch):
+    """hybrid here runs without an ft bench bw profile (q* = 0.3, the cap below), whatever
+    the machine's cache folder holds."""
+    monkeypatch.setattr("freetoken.moe.runtime.find_profile", lambda fmt: None)
+
+
 def _float(w: QuantWeight) -> QuantWeight:
     if w.is_float:
         return w
@@ -235,6 +242,27 @@ def test_auto_and_no_gpu_are_logged(caplog):
     with pytest.raises(ValueError, match="smaller than one layer's top-k working set"):
         configure_moe(load("qwen3_moe-gguf"), EngineConfig(moe_backend="cpu", moe_cache_size=1),
                       torch.device("cpu"))
+
+
+def test_engine_counters_and_decode_log(caplog):
+    """Through the engine: --moe-backend reaches the model, EngineStats carries the counters
+    (hits + misses = routed), and a decode log line comes every --decode-log-interval steps."""
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.sampling_params import SamplingParams
+
+    caplog.set_level("INFO", logger="freetoken.moe.runtime")
+    cfg = EngineConfig(model=str(hf_source("qwen3_moe")), moe_backend="hybrid",
+                       moe_cache_size=4, decode_log_interval=4, show_progress=False)
+    engine = Engine(cfg)
+    routes = RouteCounter(engine.model)
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=9, temperature=0))
+    while engine.has_unfinished():
+        engine.step()
+    c = engine.stats().moe_experts
+    assert c["hits"] + c["misses"] == routes.total > 0
+    assert c["fetched"] + c["cpu"] == c["misses"]
+    lines = [r.message for r in caplog.records if r.message.startswith("decode:")]
+    assert len(lines) == 2 and "hit rate" in lines[0] and "tokens/s" in lines[0], lines
 
 
 if __name__ == "__main__":

@@ -52,11 +52,27 @@ def test_cli_writes_json_and_profile(cache, capsys):
         assert r["format"] in printed and "recommended" in printed
     saved = load_profiles()
     assert saved == res["profiles"]
-    assert find_profile("nvfp4") == saved[profile_key("nvfp4")]
-    if not torch.cuda.is_available():
-        assert "CPU side only" in printed
-        for r in res["profiles"].values():
-            assert r["pcie_gbps"] is None and r["q_star"] == 0.0 and r["recommended"] == "fused"
+    if torch.cuda.is_available():
+        assert find_profile("nvfp4") == saved[profile_key("nvfp4")]
+        return
+    assert "CPU side only" in printed
+    for r in res["profiles"].values():
+        assert r["pcie_gbps"] is None and r["q_star"] == 0.0 and r["recommended"] == "fused"
+    assert find_profile("nvfp4") is None  # no PCIe figures: no split to take from it
+
+
+def test_profile_with_pcie_sets_q_star(cache):
+    """A profile measured on a GPU machine (the figures of FACTS.md) drives the hybrid split."""
+    from freetoken.moe.policy import fetch_policy, save_profiles
+
+    entry = {"format": "nvfp4", "cpu_both_gbps": 95.0, "pcie_both_gbps": 44.0,
+             "q_star": 44.0 / 139.0, "recommended": "hybrid"}
+    save_profiles({profile_key("nvfp4"): entry})
+    prof = find_profile("nvfp4")
+    assert prof == entry
+    policy = fetch_policy("hybrid", None, prof)
+    assert int(policy(torch.tensor(8))) == 3  # round(0.317 * 8)
+    assert int(fetch_policy("hybrid", 2, prof)(torch.tensor(8))) == 2
 
 
 def test_unknown_format_is_named(cache):
