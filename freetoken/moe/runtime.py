@@ -88,7 +88,10 @@ class MoERuntime:
         assert backend in CACHE_BACKENDS, backend
         self.backend = backend
         pin = device.type == "cuda"
-        hosts = [host_bank(m.bank, pin) for m in mods]
+        hosts = []
+        for m in mods:  # one layer at a time: the loaded bank is freed as its copy is made
+            m.bank = host_bank(m.bank, pin)
+            hosts.append(m.bank)
         spec = mods[0].spec
         total = len(mods) * spec.num_experts
         per_slot = max(slot_bytes(h) for h in hosts)
@@ -101,7 +104,6 @@ class MoERuntime:
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
                                  config.moe_cpu_threads)
         for i, m in enumerate(mods):
-            m.bank = hosts[i]
             m.backend = LayerBackend(self.cache, i)
         self._report(hosts, total, sizing, device)
         self.log_interval = getattr(config, "decode_log_interval", 0) or 0
