@@ -68,12 +68,6 @@ class Engine:
         from freetoken.moe.runtime import configure_moe  # sets the MoE backend on the model
 
         self.moe = configure_moe(model, config, self.device)
-        if self.moe is not None and self.device.type == "cuda" and not config.disable_cuda_graph:
-            import dataclasses  # the cache backends read routes on the host at every layer
-
-            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
-            logger.info("CUDA graphs off: the %s MoE backend syncs with the host in each "
-                        "layer", self.moe.backend)
         num_pages = config.num_pages or max(
             1, (config.kv_cache_mb << 20) // kv_bytes_per_page(model, config.page_size, self.dtype)
         )
