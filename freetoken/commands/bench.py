@@ -73,6 +73,8 @@ def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
                    help="untimed decode steps before timing (graph capture, autotuning); "
                    "prefill warms up once when > 0")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's; 1 on a busy shared CPU)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="torch.profiler chrome trace of one decode step at the first batch size")
 
@@ -84,7 +86,8 @@ def _engine_bench_run(args: argparse.Namespace, prefill_only: bool) -> int:
     main(engine_config_from_args(args), batches=getattr(args, "batch", [1]),
          prompt_len=getattr(args, "prompt_len", 128), tokens=getattr(args, "tokens", 8),
          warmup=args.warmup, prompt_lens=args.prompt_lens, decode=not prefill_only,
-         prefill=prefill_only or args.prefill, json_path=args.json, profile_path=args.profile)
+         prefill=prefill_only or args.prefill, json_path=args.json, profile_path=args.profile,
+         torch_threads=args.torch_threads)
     return 0
 
 

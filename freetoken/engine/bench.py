@@ -249,23 +249,40 @@ def _profile_step(runner: Runner, batch: int, prompt_len: int, path: str) -> Non
 
 def main(config: EngineConfig, *, batches: list[int], prompt_len: int, tokens: int,
          warmup: int, prompt_lens: list[int], decode: bool, prefill: bool,
-         json_path: str | None = None, profile_path: str | None = None) -> dict:
+         json_path: str | None = None, profile_path: str | None = None,
+         torch_threads: int | None = None) -> dict:
     """Run the decode and / or prefill measurements, print tables, optionally write JSON."""
-    from freetoken.engine.engine import Engine
-
     if min(batches + [prompt_len, tokens] + prompt_lens) < 1 or warmup < 0:
         raise ValueError("--batch, --prompt-len, --tokens and --prompt-lens must be positive, "
                          "--warmup not negative")
-    config = bench_config(config, batches, prompt_len, tokens, warmup,
-                          prompt_lens if prefill else [])
+    threads = torch.get_num_threads()
+    if torch_threads is not None:
+        # NOTE: on a CPU shared with other jobs, an intra-op thread that is not scheduled
+        # stalls every op at its barrier: 1 thread made a tiny model's step 100x faster on
+        # the busy 2-core CI machine.
+        torch.set_num_threads(torch_threads)
+    try:
+        return _main(config, batches, prompt_len, tokens, warmup, prompt_lens, decode, prefill,
+                     json_path, profile_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(config: EngineConfig, batches: list[int], prompt_len: int, tokens: int, warmup: int,
+          prompt_lens: list[int], decode: bool, prefill: bool, json_path: str | None,
+          profile_path: str | None) -> dict:
+    from freetoken.engine.engine import Engine
     from freetoken.models.dummy import IdTokenizer
 
+    config = bench_config(config, batches, prompt_len, tokens, warmup,
+                          prompt_lens if prefill else [])
     # Prompts are token ids: no tokenizer is built (a GGUF's may be slow or unsupported).
     tokenizer = IdTokenizer(1)
     engine = Engine(config, tokenizer=tokenizer)
     tokenizer.vocab_size = engine.model.config.vocab_size
     runner = Runner(engine)
     report = _describe(config, engine)
+    report["torch_threads"] = torch.get_num_threads()
     print(", ".join(f"{k} {v}" for k, v in report.items()))
     if decode:
         bw, how = measure_bandwidth(engine.device)
