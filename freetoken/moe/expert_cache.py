@@ -65,19 +65,21 @@ class ExpertCache:
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 activation: str) -> torch.Tensor:
-        """One layer call: plan (device), fetch, compute hits + fetched on the device and the
-        rest on the CPU, sum."""
+        """One layer call: plan (device); the CPU's share read to the host; the fetches and the
+        device kernel (hits + fetched) queued; the CPU executor runs while the device works;
+        the two partial sums added."""
         c = self.cache
         fetched = c.plan(layer, ids, self.fetch_limit)
+        emap = c.expert_map(layer)  # the map already names the slots being filled
+        job = None if self.fetch_all else self._cpu_inputs(x, ids, w, emap)
         self._fill(layer, fetched)
-        emap = c.expert_map(layer)
         y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
         if self.fetch_all:
             return self._more_rounds(layer, x, ids, w, emap, y, activation)
-        cpu = self._cpu_part(layer, x, ids, w, emap, activation)
-        if cpu is not None:
-            y = (y.float() + cpu.to(y.device)).to(x.dtype)
-        return y
+        if job is None:
+            return y
+        cpu = self._cpu_run(layer, x.shape, job, activation)
+        return (y.float() + cpu.to(y.device)).to(x.dtype)
 
     def _fill(self, layer: int, fetched: torch.Tensor) -> None:
         """Copy the fetched experts into their slots on the copy stream, which first waits for
@@ -110,24 +112,32 @@ class ExpertCache:
             left &= emap.long()[ids.long()] < 0
         return y.to(x.dtype)
 
-    def _cpu_part(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                  emap: torch.Tensor, activation: str) -> torch.Tensor | None:
-        """fp32 [T, H] of the routes whose expert has no slot, or None when there are none.
+    def _cpu_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    emap: torch.Tensor) -> tuple | None:
+        """The routes whose expert has no slot, on the host: (rows, ids, weights, x rows), or
+        None when there are none.
 
-        NOTE: reads the routes on the host (a sync on a GPU); the CUDA-graph hand-off (a
-        host function on the stream) is not built yet."""
+        NOTE: reads the routes on the host (a sync on a GPU, made before the device work is
+        queued, so that the executor then overlaps it); the CUDA-graph hand-off (a host
+        function on the stream) is not built yet."""
         on_cpu = (emap.long()[ids.long()] < 0).cpu()  # [T, k]
         if not bool(on_cpu.any()):
             return None
         rows, ids_c, w_c = _compact(on_cpu, ids.cpu(), w.float().cpu())
         xh = x[rows.to(x.device)].float().cpu().contiguous()
+        return rows, ids_c, w_c.contiguous(), xh
+
+    def _cpu_run(self, layer: int, shape: torch.Size, job: tuple, activation: str
+                 ) -> torch.Tensor:
+        """fp32 [T, H]: the CPU's routes computed from the host bank (zeros elsewhere)."""
+        rows, ids_c, w_c, xh = job
         bank = self._exec_banks[layer]
         if bank is None:  # no executor kernel: the torch reference on the host bank
             part = fused_moe(xh, self.hosts[layer], ids_c, w_c, activation).float()
         else:
-            part = self.executor.forward(xh, ids_c, w_c.contiguous(), bank.w13, bank.w2,
-                                         bank.scales, activation)
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+            part = self.executor.forward(xh, ids_c, w_c, bank.w13, bank.w2, bank.scales,
+                                         activation)
+        out = torch.zeros(shape[0], shape[1], dtype=torch.float32)
         out[rows] = part
         return out
 
