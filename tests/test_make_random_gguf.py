@@ -20,6 +20,17 @@ from freetoken.models.testing import prefill_logits
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import make_random_gguf as mrg  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on the shared 2-core CI box a second intra-op thread that another job
+    descheduled stalls every small op at its barrier (see tests/engine/test_bench_decode.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 TINY = dict(vocab=512, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, experts=4,
             top_k=2, expert_ff=256, context=1024)
 

@@ -29,6 +29,17 @@ from freetoken.models.dummy import (
 )
 from freetoken.models.testing import prefill_logits
 
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One torch thread: on the shared 2-core CI box a second intra-op thread that another job
+    descheduled stalls every small op at its barrier (see tests/engine/test_bench_decode.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
 
