@@ -1,8 +1,10 @@
 """MoE backends: how a layer's routed experts are computed, chosen by name.
 
-Only `fused` exists now (every expert resident on the compute device, computed by the kernel
-entry point `freetoken.kernels.moe.fused_moe`). `offload`, `hybrid` and `cpu` will register
-here and read the same `ExpertBank`s.
+`fused` (every expert resident on the compute device, computed by the kernel entry point
+`freetoken.kernels.moe.fused_moe`) is a stateless function, registered here. `offload`,
+`hybrid` and `cpu` share state across layers (one slot cache, one CPU executor): they are
+built for a loaded model by `freetoken.moe.runtime.configure_moe`, which sets each layer's
+backend to a `expert_cache.LayerBackend` of the same signature; `auto` resolves there too.
 """
 
 from __future__ import annotations
