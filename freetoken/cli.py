@@ -26,7 +26,14 @@ _HELP = {
     "max_running_requests": "most requests decoding at once",
     "max_prefill_tokens": "prompt tokens per step (chunked prefill)",
     "kv_cache_mb": "KV cache size in MiB when --num-pages is not given",
-    "moe_backend": "where experts run: fused, offload, hybrid or cpu",
+    "moe_backend": "where experts run: auto (fused when every expert fits on the device, else "
+    "from the ft bench bw profile), fused, offload, hybrid or cpu",
+    "moe_cache_size": "expert slots on the device (offload / hybrid / cpu; default: what fits)",
+    "moe_cache_rate": "expert slots as a fraction of all routed experts",
+    "moe_hybrid_max_fetch": "hybrid: most experts fetched per layer and step (0: every miss "
+    "to the CPU; -1: as the ft bench bw profile's q* says)",
+    "decode_log_interval": "a decode log line (tokens/s, expert hit rate, fetches, CPU "
+    "experts) every N decode steps; 0: none",
     "moe_cpu_threads": "CPU MoE executor threads (default: physical cores minus one)",
     "dummy_weights": "random weights made on the device; --model may name a built-in shape",
     "dummy_format": "weight format of --dummy-weights models",
