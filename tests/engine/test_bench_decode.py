@@ -3,13 +3,15 @@ row per batch size and prompt length, and the weight bytes per step equal the co
 by hand from the shapes and gguf's block sizes.
 
 The issue's command (`--model qwen3-30b-a3b --dummy-weights --dummy-format q4_k --dummy-layers 2
---batch 1,4 --tokens 8`) runs too, but takes minutes on 2 cores. Profile of one batch-1 step
-there (2026-11-30): the 151,936 x 2048 Q8_0 lm_head 3.7 s (the CPU reference kernel dequantizes
-all 311 M values to fp32 on every call), one MoE layer 0.27 s, one qkv projection 0.09 s; the
-128-token prefills dequantize every expert. On the shared CI box torch's two intra-op threads
-also stall each other's barriers when another job holds a core (a tiny model's step: 700 ms,
-7 ms with one thread), so these tests pass `--torch-threads 1`. The full command runs here only
-with FREETOKEN_TEST_FULL_BENCH=1.
+--batch 1,4 --tokens 8 --json FILE`) runs on this 2-core box (2026-11-30): 20 min as given while
+other jobs loaded it (24.5 s per batch-1 step), 66 s with `--torch-threads 1` (0.92 s per step,
+1.1 tokens/s at batch 1, 2.6 at batch 4). Why: torch's two intra-op threads stall each other at
+every op's barrier when another job holds a core (a tiny model's step: 700 ms, 7 ms with one
+thread); and with one thread a step is the Q8_0 151,936 x 2048 lm_head 0.41 s (the CPU reference
+kernel dequantizes its 311 M values to fp32 on every call), each MoE layer 0.11 s, the rest
+small; the 128-token prefills dequantize every expert. So these tests pass `--torch-threads 1`
+and use the tiny configuration; the full command runs with FREETOKEN_TEST_FULL_BENCH=1 (about a
+minute).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def test_issue_command(tmp_path):
     out = tmp_path / "full.json"
     assert main(["bench", "decode", "--model", "qwen3-30b-a3b", "--dummy-weights",
                  "--dummy-format", "q4_k", "--dummy-layers", "2", "--batch", "1,4", "--tokens",
-                 "8", "--json", str(out), "--no-show-progress"]) == 0
+                 "8", "--json", str(out), "--no-show-progress", "--torch-threads", "1"]) == 0
     rep = json.loads(out.read_text())
     assert [r["batch"] for r in rep["decode"]] == [1, 4]
     assert all(r["tokens_per_s"] > 0 for r in rep["decode"])
