@@ -133,13 +133,19 @@ class Runner:
         self.engine.add_request(rid, self._prompt(prompt_len), params)
         return rid
 
-    def _step(self) -> int:
-        """One engine step; the number of tokens it produced. Errors stop the bench."""
+    def _outputs(self) -> list:
+        """One engine step's outputs. Errors stop the bench."""
+        if not self.engine.has_unfinished():
+            raise RuntimeError("the engine finished every request before the bench did")
         outs = self.engine.step()
         for o in outs:
             if o.finish_reason == "error":
                 raise RuntimeError(f"request {o.request_id} failed: {o.error}")
-        return len(outs)
+        return outs
+
+    def _step(self) -> int:
+        """One engine step; the number of tokens it produced."""
+        return len(self._outputs())
 
     def decode(self, batch: int, prompt_len: int, tokens: int, warmup: int) -> tuple[int, float]:
         """(tokens produced, seconds) over `tokens` timed steps of `batch` decodes."""
@@ -147,7 +153,7 @@ class Runner:
         rids = [self._add(prompt_len, tokens + warmup + batch + 2) for _ in range(batch)]
         first = 0
         while first < batch:  # each request samples its first token at the end of its prefill
-            first += sum(1 for o in self.engine.step() if len(o.output_token_ids) == 1)
+            first += sum(1 for o in self._outputs() if len(o.output_token_ids) == 1)
         for _ in range(warmup):
             self._step()
         dev = self.engine.device
@@ -172,7 +178,7 @@ class Runner:
 
     def drain(self) -> None:
         while self.engine.has_unfinished():
-            self._step()
+            self._outputs()
 
 
 def run_decode(runner: Runner, batches: list[int], prompt_len: int, tokens: int, warmup: int,

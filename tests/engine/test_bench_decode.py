@@ -83,6 +83,21 @@ def test_bench_refuses_bad_sizes(tmp_path):
                  "--no-show-progress"]) == 1
 
 
+def test_forward_failure_stops_the_bench(monkeypatch):
+    from freetoken.config import EngineConfig
+    from freetoken.engine.bench import Runner
+    from freetoken.engine.engine import Engine
+
+    eng = Engine(EngineConfig(model="tiny-llama", dummy_weights=True, show_progress=False))
+
+    def broken(batch):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(eng.runner, "forward", broken)
+    with pytest.raises(RuntimeError, match="kernel exploded"):
+        Runner(eng).decode(batch=2, prompt_len=4, tokens=2, warmup=0)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("FREETOKEN_TEST_FULL_BENCH") != "1",
                     reason="minutes on 2 cores; FREETOKEN_TEST_FULL_BENCH=1 runs it")
