@@ -122,6 +122,54 @@ def test_page_streams_stops_and_has_no_console_errors(server, browser, tmp_path)
     assert not errors, errors
 
 
+SCRIPTED = ("<think>\nThe user wants code.\n</think>\n\nHere is **Python**:\n\n"
+            "```python\nprint('<hi>')\n```\n- one\n- two")
+
+
+def test_reasoning_folded_and_markdown_streamed(browser, tmp_path):
+    """The scripted engine (fake_engine.py) answers with a think block and markdown."""
+    from fake_engine import FakeEngine
+    from helpers import ThreadServer
+
+    from freetoken import assets
+    from freetoken.commands.serve import make_app
+    from freetoken.config import EngineConfig, ServerConfig
+    from freetoken.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(assets.smollm2_path())
+    conf = ServerConfig(engine=EngineConfig(), served_model_name="fake",
+                        reasoning_parser="think")
+    srv = ThreadServer(make_app(conf, lambda _cfg: FakeEngine(tok)))
+    try:
+        d = browser
+        d.get(srv.base + "/")
+        d.find_element(By.ID, "toggle-settings").click()
+        _set(d, "max_tokens", "64")
+        WebDriverWait(d, 30).until(lambda d: "fake" in d.find_element(By.ID, "model").text)
+        # set, not typed: a typed newline is Enter, which sends
+        d.execute_script("document.getElementById('input').value = arguments[0]",
+                         f"[[say:{SCRIPTED}:yas]]")
+        d.find_element(By.ID, "send").click()
+        WebDriverWait(d, 60).until(lambda d: _answer(d).get_attribute("data-finish"))
+        assert _answer(d).get_attribute("data-finish") == "stop", _answer(d).text
+        answer = _answer(d)
+        details = answer.find_element(By.TAG_NAME, "details")
+        assert details.is_displayed() and details.get_attribute("open") is None  # folded
+        details.find_element(By.TAG_NAME, "summary").click()
+        assert "The user wants code." in details.text
+        body = answer.find_element(By.CSS_SELECTOR, ".body")
+        assert body.find_element(By.TAG_NAME, "strong").text == "Python"
+        code = body.find_element(By.CSS_SELECTOR, "pre code.language-python")
+        assert code.text == "print('<hi>')"
+        assert [li.text for li in body.find_elements(By.TAG_NAME, "li")] == ["one", "two"]
+        shot = tmp_path / "chat-page-reasoning.png"
+        d.save_screenshot(str(shot))
+        print(f"screenshot: {shot}")
+        assert not [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
+    finally:
+        srv.stop()
+
+
 def test_markdown_is_rendered_and_escaped(server, browser):
     browser.get(server.base + "/")
     html = browser.execute_script(
