@@ -25,6 +25,7 @@ from freetoken.server.responses_store import (
     ResponseCancelled,
     StoredResponse,
     append_items,
+    item_records,
     parse_items,
 )
 from freetoken.server.serving import (
@@ -84,12 +85,13 @@ def previous(state: ServerState, pid: str | None) -> list[dict]:
     return rec.messages
 
 
-async def start(state: ServerState, req: ResponseCreateRequest) -> tuple[ResponseRun, object,
-                                                                        list[dict]]:
-    """Validate, render and submit; returns (run, engine stream, conversation so far)."""
+async def start(state: ServerState, req: ResponseCreateRequest) -> tuple[ResponseRun,
+                                                                        StoredResponse]:
+    """Validate, render and submit; returns the run and its record (not stored yet)."""
     tools = function_tools(state, req)
-    conversation = append_items(previous(state, req.previous_response_id),
-                                parse_items(req.input), parse_arguments)
+    items = parse_items(req.input)
+    conversation = append_items(previous(state, req.previous_response_id), items,
+                                parse_arguments)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     use_tools = bool(tools) and req.tool_choice != "none"
     kwargs = {}
@@ -112,7 +114,7 @@ async def start(state: ServerState, req: ResponseCreateRequest) -> tuple[Respons
     stream = await state.engine.submit(sub_requests(rid, ids, params))
     run = ResponseRun(state, req, rid, prompt_text=text + prefix, prompt_len=len(ids),
                       tool_prefix=prefix, use_tools=use_tools)
-    return run, stream, conversation
+    return run, StoredResponse(run, conversation, stream, input_items=item_records(items))
 
 
 async def events(run: ResponseRun, stream, rec: StoredResponse) -> AsyncIterator[dict]:
@@ -167,8 +169,8 @@ async def create_response(request: Request):
     req = parse_body(await request.body(), ResponseCreateRequest)
     state.check_model(req.model)
     state.require_ready()
-    run, stream, conversation = await start(state, req)
-    rec = StoredResponse(run, conversation, stream)
+    run, rec = await start(state, req)
+    stream = rec.stream
     if req.store:
         state.responses.put(run.rid, rec)
     gen = events(run, stream, rec)
@@ -198,6 +200,32 @@ def _stored(state: ServerState, rid: str) -> StoredResponse:
 @router.get("/v1/responses/{rid}")
 async def get_response(rid: str, request: Request):
     return _stored(request.app.state.server, rid).run.response()
+
+
+@router.get("/v1/responses/{rid}/input_items")
+async def list_input_items(rid: str, request: Request):
+    """The items this response was created with (not those of previous_response_id)."""
+    items = _stored(request.app.state.server, rid).input_items
+    q = request.query_params
+    order, after = q.get("order", "desc"), q.get("after")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        raise bad_request("limit must be an integer from 1 to 100", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be from 1 to 100, got {limit}", param="limit")
+    items = items if order == "asc" else items[::-1]
+    ids = [i["id"] for i in items]
+    if after is not None:
+        if after not in ids:
+            raise bad_request(f"no input item {after!r} in response {rid!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}
 
 
 @router.post("/v1/responses/{rid}/cancel")

@@ -8,8 +8,9 @@ and `GET /v1/responses/{id}` returns it. Nothing is written to disk: a restart f
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -36,6 +37,7 @@ class StoredResponse:
     messages: list[dict]  # the conversation, this response's output included once it ends
     stream: object | None = None  # the RequestStream while it runs; None once it ended
     task: asyncio.Task | None = None  # a background response's consumer
+    input_items: list[dict] = field(default_factory=list)  # for GET .../input_items
 
 
 class ResponseStore:
@@ -77,6 +79,24 @@ def parse_items(raw: str | list[dict]) -> list:
             raise bad_request(f"input[{i}]: {format_validation_error(e)}",
                               param=f"input.{i}") from None
     return items
+
+
+def item_records(items: list) -> list[dict]:
+    """Input items as `GET /v1/responses/{id}/input_items` lists them: each with an id."""
+    out = []
+    for item in items:
+        d = item.model_dump(exclude_none=True)
+        if isinstance(item, InputMessage):
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            d["content"] = [{"type": kind, "text": item.text()}]
+            d["status"] = "completed"
+        elif isinstance(item, FunctionCallOutputItem):
+            d["output"], d["status"] = item.text(), "completed"
+        prefix = {"message": "msg_", "function_call": "fc_", "reasoning": "rs_"}.get(
+            item.type, "fco_")
+        d.setdefault("id", f"{prefix}{secrets.token_hex(12)}")
+        out.append(d)
+    return out
 
 
 def _call_names(messages: list[dict]) -> dict[str, str]:

@@ -106,6 +106,14 @@ def test_function_call_round_trip(oai):
     r2 = oai.responses.create(model="fake", input=follow, tools=TOOLS)
     assert r2.output_text == CALL or r2.output  # the script repeats; the point is acceptance
     assert r2.usage.input_tokens > r.usage.input_tokens
+    items = oai.responses.input_items.list(r2.id, order="asc")
+    assert [i.type for i in items.data] == ["message", "function_call", "function_call_output"]
+    assert items.data[2].call_id == calls[0].call_id and not items.has_more
+    assert items.data[0].content[0].text == say(CALL)
+    first = oai.responses.input_items.list(r2.id, limit=1)  # newest first by default
+    assert first.has_more and first.data[0].type == "function_call_output"
+    rest = oai.responses.input_items.list(r2.id, limit=5, after=first.data[0].id)
+    assert [i.type for i in rest.data] == ["function_call", "message"]
 
 
 def test_streamed_function_call(oai):
