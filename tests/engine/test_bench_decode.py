@@ -83,6 +83,41 @@ def test_bench_refuses_bad_sizes(tmp_path):
                  "--no-show-progress"]) == 1
 
 
+TINY_GGUF = ["--layers", "2", "--vocab", "512", "--hidden", "256", "--heads", "4", "--kv-heads",
+             "2", "--head-dim", "64", "--experts", "4", "--top-k", "2", "--expert-ff", "256"]
+FAKE_LLAMA_BENCH = """#!/bin/sh
+echo "llama-bench log line"
+echo '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 400.0}, {"n_prompt": 0, "n_gen": 2, "avg_ts": 8.0}]'
+"""
+
+
+def test_bench_vs_llamacpp_with_a_stand_in_llama_bench(tmp_path):
+    """The comparison script end to end on a tiny random GGUF (FreeToken for real, llama-bench
+    replaced by a script printing its JSON format): the table's ratios are ours over theirs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    gguf_path, fake, out = tmp_path / "t.gguf", tmp_path / "llama-bench", tmp_path / "vs.json"
+    subprocess.run([sys.executable, str(repo / "scripts" / "make_random_gguf.py"),
+                    str(gguf_path), *TINY_GGUF], check=True, capture_output=True)
+    fake.write_text(FAKE_LLAMA_BENCH)
+    fake.chmod(0o755)
+    subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_vs_llamacpp.py"), "--gguf",
+                    str(gguf_path), "--llama", str(fake), "--batch", "1,2", "--prompt", "16",
+                    "--gen", "2", "--ft-args", "--prompt-len 4 --warmup 0 --torch-threads 1",
+                    "--json", str(out)], check=True, capture_output=True)
+    rep = json.loads(out.read_text())
+    rows = {r["measure"]: r for r in rep["table"]}
+    b1 = rows["decode batch 1 (tokens/s, aggregate)"]
+    assert b1["llama.cpp"] == 8.0 and b1["ratio"] == pytest.approx(b1["freetoken"] / 8.0)
+    assert rows["decode batch 2 (tokens/s, aggregate)"]["llama.cpp"] is None
+    pre = rows["prefill 16 (prompt tokens/s)"]
+    assert pre["llama.cpp"] == 400.0 and pre["freetoken"] > 0
+    assert rep["freetoken"]["arch"] == "qwen3_moe" and not rep["freetoken"]["dummy_weights"]
+
+
 def test_forward_failure_stops_the_bench(monkeypatch):
     from freetoken.config import EngineConfig
     from freetoken.engine.bench import Runner
