@@ -1,0 +1,160 @@
+"""Where a decode step's time goes: the CUDA kernels of a few engine steps, per step.
+
+    python benchmarks/profile_decode_step.py --model qwen3-30b-a3b --dummy-weights \
+        --dummy-format q4_k --batch 1,16 --steps 5
+
+For each batch size B: B requests are prefilled and warmed up (graph capture, Triton JIT),
+then `--steps` engine steps run under torch.profiler. The table lists each kernel (name cut to
+60 characters), how many times it runs per step, its device microseconds per step and its
+share of the kernel time; below it, the step's wall time against the summed kernel time (the
+gap is launch overhead, host work and idle device) and the host-side calls that betray a sync
+or a torch-reference fallback inside the step (`aten::_local_scalar_dense` = `.item()` /
+`.tolist()`, memcpy, stream / device synchronize), per step. Without CUDA it profiles the CPU
+ops instead (a small model: `--dummy-layers 2`), so the script itself is tested on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+# Host-side events that mean the step waits for the device or reads a value back.
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
+            "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy", "cudaGraphLaunch",
+            "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def _engine(args: argparse.Namespace):
+    from freetoken.cli import engine_config_from_args
+    from freetoken.engine.bench import Runner, bench_config
+    from freetoken.engine.engine import Engine
+    from freetoken.models.dummy import IdTokenizer
+
+    config = bench_config(engine_config_from_args(args), args.batch, args.prompt_len,
+                          args.steps + args.warmup, args.warmup, [])
+    tokenizer = IdTokenizer(1)
+    engine = Engine(config, tokenizer=tokenizer)
+    tokenizer.vocab_size = engine.model.config.vocab_size
+    return Runner(engine)
+
+
+def _start(runner, batch: int, prompt_len: int, steps: int) -> list[str]:
+    """`batch` requests, each past its prefill (decoding from the next step on)."""
+    rids = [runner._add(prompt_len, steps + batch + 4) for _ in range(batch)]
+    first = 0
+    while first < batch:
+        first += sum(1 for o in runner.engine.step() if len(o.output_token_ids) == 1)
+    return rids
+
+
+def _kernel_rows(prof, on_cuda: bool) -> dict[str, tuple[int, float]]:
+    """name -> (calls, microseconds) over the profiled steps: device kernels on CUDA (self
+    device time), top-level CPU ops otherwise."""
+    rows: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.key_averages():
+        if on_cuda:
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.self_device_time_total
+        else:
+            if not ev.key.startswith("aten::"):
+                continue
+            us = ev.self_cpu_time_total
+        if us <= 0:
+            continue
+        r = rows[ev.key[:60]]
+        r[0] += ev.count
+        r[1] += us
+    return {k: (int(c), float(t)) for k, (c, t) in rows.items()}
+
+
+def _host_calls(prof) -> dict[str, int]:
+    counts: dict[str, int] = defaultdict(int)
+    for ev in prof.key_averages():
+        if ev.key in SYNC_OPS and ev.device_type == torch.autograd.DeviceType.CPU:
+            counts[ev.key] += ev.count
+    return counts
+
+
+def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
+    """Profile `args.steps` decode steps at `batch`; the printed table as a string."""
+    dev = runner.engine.device
+    on_cuda = dev.type == "cuda"
+    rids = _start(runner, batch, args.prompt_len, args.steps + args.warmup)
+    for _ in range(args.warmup):
+        runner._step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=acts) as prof:
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            runner._step()
+        if on_cuda:
+            torch.cuda.synchronize(dev)
+        wall = (time.perf_counter() - t0) / args.steps * 1e6
+    for rid in rids:
+        runner.engine.abort(rid)
+    runner.drain()
+    if args.trace:
+        prof.export_chrome_trace(f"{args.trace}.b{batch}.json")
+    return _table(_kernel_rows(prof, on_cuda), _host_calls(prof), batch, args.steps, wall,
+                  on_cuda, args.rows)
+
+
+def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], batch: int, steps: int,
+           wall_us: float, on_cuda: bool, limit: int) -> str:
+    total = sum(t for _, t in rows.values()) / steps
+    what = "kernel" if on_cuda else "CPU op (self time)"
+    out = [f"== batch {batch}: {steps} steps, {wall_us:.1f} us per step (wall, profiler on), "
+           f"{total:.1f} us of {what} time per step, "
+           f"{sum(c for c, _ in rows.values()) / steps:.0f} launches per step",
+           f"{what[:60]:<60} {'calls/step':>10} {'us/step':>9} {'share':>7}"]
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])
+    for name, (calls, us) in ranked[:limit]:
+        out.append(f"{name:<60} {calls / steps:>10.1f} {us / steps:>9.1f} "
+                   f"{100 * us / steps / max(total, 1e-9):>6.1f}%")
+    if len(ranked) > limit:
+        rest = ranked[limit:]
+        out.append(f"{f'({len(rest)} more)':<60} {sum(c for _, (c, _) in rest) / steps:>10.1f} "
+                   f"{sum(t for _, (_, t) in rest) / steps:>9.1f}")
+    out.append("host calls per step: " + (", ".join(
+        f"{k} {v / steps:.1f}" for k, v in sorted(host.items())) or "none"))
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from freetoken.cli import add_engine_args
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    p.add_argument("--batch", default="1,16",
+                   type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="comma-separated decode batch sizes (default 1,16)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    p.add_argument("--rows", type=int, default=40, help="kernels listed per table")
+    p.add_argument("--trace", default=None, metavar="PREFIX",
+                   help="also write chrome traces PREFIX.b<batch>.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runner = _engine(args)
+    for b in args.batch:
+        print(profile_batch(runner, b, args), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

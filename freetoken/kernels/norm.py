@@ -1,0 +1,62 @@
+"""RMSNorm entry points: the torch reference (CPU, and the oracle of the kernel tests) and the
+Triton kernel (`freetoken.kernels.triton.norm`) on CUDA tensors.
+
+`rms_norm(x, w, eps)`: y = x / sqrt(mean(x^2) + eps) * w over the last dimension, in fp32,
+returned in x's dtype. `add_rms_norm(x, residual, w, eps)`: s = x + residual (in x's dtype),
+then (rms_norm(s), s): the pre-norm decoder's residual step in one launch on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight).to(x.dtype)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    d = x.shape[-1]
+    if weight.shape != (d,):
+        raise ValueError(f"rms_norm: weight must be [{d}] (x's last dimension), got "
+                         f"{list(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"add_rms_norm: residual {residual.dtype} {list(residual.shape)} "
+                         f"must match x {x.dtype} {list(x.shape)}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [N, D] with unit stride in D (a view where the strides allow, else a copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.shape[0] <= 1 or x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and weight.is_cuda and weight.dtype == torch.float32
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight fp32 [D] -> [..., D] in x's dtype."""
+    _check(x, weight, None)
+    if not _on_gpu(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    from freetoken.kernels.triton.norm import rms_norm_triton  # lazy: needs triton
+
+    y, _ = rms_norm_triton(_rows(x), weight, eps)
+    return y.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+    _check(x, weight, residual)
+    if not _on_gpu(x, weight):
+        s = x + residual
+        return rms_norm_reference(s, weight, eps), s
+    from freetoken.kernels.triton.norm import rms_norm_triton
+
+    y, s = rms_norm_triton(_rows(x), weight, eps, _rows(residual))
+    return y.view(x.shape), s.view(x.shape)

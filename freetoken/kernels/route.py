@@ -1,0 +1,62 @@
+"""MoE routing entry point: router logits -> (expert ids, routing weights).
+
+The torch reference (CPU, and the oracle of the kernel tests) and, on CUDA, one Triton launch
+(`freetoken.kernels.triton.route`). Scoring as `freetoken.layers.moe` documents it:
+- "softmax": p = softmax(logits), top-k of p, optionally renormalised to sum 1;
+- "sigmoid": p = sigmoid(logits), experts chosen by top-k of p + bias, weights p of the chosen,
+  optionally renormalised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORINGS = ("softmax", "sigmoid")
+
+
+def route_reference(logits: torch.Tensor, top_k: int, scoring: str, renormalize: bool,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    if scoring == "softmax":
+        probs = torch.softmax(logits, dim=-1)
+        w, ids = torch.topk(probs, top_k, dim=-1)
+    else:
+        probs = torch.sigmoid(logits)
+        choice = probs if bias is None else probs + bias.float()
+        ids = torch.topk(choice, top_k, dim=-1).indices
+        w = probs.gather(1, ids)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids, w
+
+
+def _check(logits: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None) -> None:
+    if scoring not in SCORINGS:
+        raise ValueError(f"unknown router scoring {scoring!r} (expected one of {SCORINGS})")
+    if logits.dim() != 2 or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"route: logits must be [T, E] with 0 < top_k <= E, got "
+                         f"{list(logits.shape)} and top_k={top_k}")
+    if bias is not None and bias.shape != (logits.shape[1],):
+        raise ValueError(f"route: bias must be [{logits.shape[1]}], got {list(bias.shape)}")
+
+
+def _on_gpu(logits: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    # Up to 1024 experts in one program's registers (today's models: 8 to 512).
+    return (logits.is_cuda and logits.shape[1] <= 1024 and logits.stride(-1) == 1
+            and (bias is None or (bias.is_cuda and bias.dtype == torch.float32
+                                  and bias.is_contiguous())))
+
+
+def route_topk(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
+               renormalize: bool = True, bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (expert ids int64 [T, k], routing weights fp32 [T, k]), largest
+    first. `bias` fp32 [E] (sigmoid scoring only) shifts the choice, not the weights."""
+    _check(logits, top_k, scoring, bias)
+    if scoring == "softmax":
+        bias = None
+    if _on_gpu(logits, bias):
+        from freetoken.kernels.triton.route import route_triton  # lazy: needs triton
+
+        return route_triton(logits, top_k, scoring == "sigmoid", renormalize, bias)
+    return route_reference(logits, top_k, scoring, renormalize, bias)

@@ -1,0 +1,53 @@
+"""RMSNorm on the GPU in one kernel, optionally fused with the residual add before it.
+
+One program per row: y = x / sqrt(mean(x^2) + eps) * w, in fp32, stored in x's dtype. With a
+residual, s = x + residual is rounded to x's dtype first (as torch's `x + residual` does), stored
+as the new residual, and normalised: the decoder's `residual = x + residual; norm(residual)` in
+one launch where torch runs about eight (dtype casts, pow, mean, rsqrt, two products, the add).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y,
+                     stride_s, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < D
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's add
+        tl.store(s_ptr + row * stride_s + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+    tl.store(y_ptr + row * stride_y + cols, (xf * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def _warps(block: int) -> int:
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, D] (unit stride in D), weight fp32 [D], residual [N, D] in x's dtype or None ->
+    (y [N, D] in x's dtype, x + residual or None). Checked by `freetoken.kernels.norm`."""
+    n, d = x.shape
+    y = torch.empty((n, d), dtype=x.dtype, device=x.device)
+    s = torch.empty_like(y) if residual is not None else None
+    if n == 0:
+        return y, s
+    block = triton.next_power_of_2(d)
+    r = residual if residual is not None else x
+    _rms_norm_kernel[(n,)](
+        x, r, weight, y, s if s is not None else y, d, x.stride(0), r.stride(0), y.stride(0),
+        (s if s is not None else y).stride(0), float(eps), HAS_RES=residual is not None,
+        BLOCK=block, num_warps=_warps(block))
+    return y, s
