@@ -133,15 +133,16 @@ def hub_model(name: str) -> Path:
     except Exception as local_miss:  # noqa: BLE001 - huggingface_hub's errors vary by version
         if _offline():
             raise AssetMissing(
-                f"model {name!r} is not in the Hugging Face cache (looked in {where}) and "
-                "HF_HUB_OFFLINE is set, so it was not downloaded") from local_miss
+                f"model {name!r} is neither a local path nor in the Hugging Face cache (looked in "
+                f"{where}), and HF_HUB_OFFLINE is set, so it was not downloaded") from local_miss
         try:
             folder = _snapshot(repo, filename, cache, local_only=False)
         except Exception as e:  # noqa: BLE001 - no network, no such repo, gated, ...
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = reason.removeprefix("Got: ")  # huggingface_hub's wrapping of the cause
             raise AssetMissing(
-                f"model {name!r} is not in the Hugging Face cache (looked in {where}) and "
-                f"could not be downloaded: {reason}") from e
+                f"model {name!r} is neither a local path nor in the Hugging Face cache (looked in "
+                f"{where}), and it could not be downloaded: {reason}") from e
     return _pick_file(name, Path(folder), filename)
 
 

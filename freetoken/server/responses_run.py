@@ -190,7 +190,6 @@ class ResponseRun:
 
     def response(self) -> dict:
         r = self.req
-        tools = [t for t in r.tools or []]
         done = self.status not in ("in_progress", "queued")
         return {
             "id": self.rid, "object": "response", "created_at": self.created,
@@ -206,7 +205,7 @@ class ResponseRun:
             "text": {"format": {"type": "text"}},
             "tool_choice": (r.tool_choice.model_dump() if hasattr(r.tool_choice, "model_dump")
                             else r.tool_choice or "auto"),
-            "tools": tools, "top_p": 1.0 if r.top_p is None else r.top_p,
+            "tools": list(r.tools or []), "top_p": 1.0 if r.top_p is None else r.top_p,
             "top_logprobs": r.top_logprobs or 0, "truncation": r.truncation or "disabled",
             "usage": self.usage() if done else None, "user": r.user,
             "metadata": r.metadata or {},
