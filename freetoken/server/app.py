@@ -24,7 +24,13 @@ from freetoken.server.errors import APIError, error_response, format_validation_
 from freetoken.server.metrics import CONTENT_TYPE
 from freetoken.server.openai_chat import template_message
 from freetoken.server.protocol_openai import DetokenizeRequest, TokenizeRequest
-from freetoken.server.serving import ServerState, encode_text, parse_body, render_chat
+from freetoken.server.serving import (
+    ServerState,
+    check_tools_count,
+    encode_text,
+    parse_body,
+    render_chat,
+)
 
 log = logging.getLogger("freetoken.server")
 CHAT_PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -148,6 +154,7 @@ def build_app(state: ServerState, *, api_key: str | None = None,
         req = parse_body(await request.body(), TokenizeRequest)
         state.check_model(req.model)
         state.require_ready()
+        check_tools_count(state.limits, req.tools)
         if req.messages is not None:
             msgs = [template_message(i, m) for i, m in enumerate(req.messages)]
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None

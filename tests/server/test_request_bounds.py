@@ -69,6 +69,8 @@ CASES = {
                                          "tools": ANTH_TOOLS}, None, "limit of 128"),
     "responses tools": ("/v1/responses", {"input": "hi", "tools": RESP_TOOLS}, "tools",
                         "limit of 128"),
+    "tokenize tools": ("/tokenize", {"messages": MSGS, "tools": CHAT_TOOLS}, "tools",
+                       "limit of 128"),
     "responses top_logprobs": ("/v1/responses", {"input": "hi", "top_logprobs": 6},
                                "top_logprobs", "limit of 5"),
 }
