@@ -107,13 +107,17 @@ class Engine:
 
     def _load(self, config: EngineConfig, tokenizer: Tokenizer | None):
         from freetoken.assets import resolve_model
+        from freetoken.layers.moe import host_banks
         from freetoken.models import load_model
         from freetoken.models.dummy import check_dummy_flags, load_dummy_engine_model
 
         if check_dummy_flags(config):  # --dummy-weights: random weights, token-id prompts
-            return load_dummy_engine_model(config, self.dtype, self.device, tokenizer)
+            # Experts are made where they live: host banks for offload / hybrid / cpu.
+            on_host = self.device.type == "cuda" and config.moe_backend not in ("fused", "auto")
+            with host_banks(on_host):
+                return load_dummy_engine_model(config, self.dtype, self.device, tokenizer,
+                                               experts_on_host=on_host)
         path = resolve_model(config.model)
-        from freetoken.layers.moe import host_banks
 
         # Only the fused backend puts every expert on the device; the others keep host banks.
         with host_banks(self.device.type == "cuda" and config.moe_backend != "fused"):

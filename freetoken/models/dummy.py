@@ -225,11 +225,12 @@ class DummySource:
 
     kind = "hf"
 
-    def __init__(self, model, fmt: str, device, seed: int = 0):
+    def __init__(self, model, fmt: str, device, seed: int = 0, expert_device=None):
         if fmt not in FORMATS:
             raise ValueError(f"--dummy-format must be one of {', '.join(FORMATS)}, got {fmt!r}")
         self.fmt, self.path = fmt, f"<dummy {fmt} weights>"
         self.rand = Rand(device, seed)
+        self.expert_rand = self.rand if expert_device is None else Rand(expert_device, seed + 1)
         self.shapes: dict[str, tuple[tuple[int, ...], object]] = {}
         from freetoken.models.loader import targets
 
@@ -279,19 +280,22 @@ class DummySource:
         (out, inp), _ = self.shapes[name]
         role = _role(prefix)
         fmt = self.fmt if role == "ffn" or self.fmt == "bf16" else "q8_0"
-        return random_weight(self.rand, "f32" if role == "float" else fmt, out, inp, name), [name]
+        rand = self.expert_rand if ".experts." in prefix else self.rand
+        return random_weight(rand, "f32" if role == "float" else fmt, out, inp, name), [name]
 
 
 def load_dummy(model: str | os.PathLike | None, fmt: str = "bf16", layers: int | None = None,
                *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
-               show_progress: bool = True):
-    """A CausalLM of `model`'s configuration with random `fmt` weights made on `device`."""
+               show_progress: bool = True, expert_device=None):
+    """A CausalLM of `model`'s configuration with random `fmt` weights made on `device`
+    (routed experts on `expert_device` when given)."""
     from freetoken.models.loader import load_weights
     from freetoken.models.registry import build_model
 
     cfg = dummy_config(model, layers)
     net = build_model(cfg)
-    load_weights(net, DummySource(net, fmt, device, seed), dtype=dtype, device=device,
+    src = DummySource(net, fmt, device, seed, expert_device)
+    load_weights(net, src, dtype=dtype, device=device,
                  show_progress=show_progress)
     logger.info("dummy %s model %s: %d layers, random %s weights on %s", cfg.arch, model,
                 cfg.num_layers, fmt, device)
@@ -351,10 +355,17 @@ def check_dummy_flags(config) -> bool:
     return False
 
 
-def load_dummy_engine_model(config, dtype: torch.dtype, device, tokenizer=None):
-    """(model, tokenizer) for the engine: the given tokenizer, `--tokenizer DIR`, or ids."""
+def load_dummy_engine_model(config, dtype: torch.dtype, device, tokenizer=None,
+                            experts_on_host: bool = False):
+    """(model, tokenizer) for the engine: the given tokenizer, `--tokenizer DIR`, or ids.
+
+    `experts_on_host`: routed experts are drawn in host memory (the offload, hybrid and cpu
+    backends' banks live there; the caller holds `layers.moe.host_banks`). NOTE: with
+    `--moe-backend auto` they are made on the device, so auto's fit check sees them resident.
+    """
     model = load_dummy(config.model, config.dummy_format, config.dummy_layers, dtype=dtype,
-                       device=device, seed=config.seed, show_progress=config.show_progress)
+                       device=device, seed=config.seed, show_progress=config.show_progress,
+                       expert_device="cpu" if experts_on_host else None)
     if tokenizer is None and config.tokenizer is not None:
         from freetoken.tokenizer import Tokenizer
 

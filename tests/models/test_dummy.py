@@ -156,6 +156,26 @@ def test_engine_runs_dummy_model_with_token_ids():
     assert len(outs[-1].output_token_ids) == 4 and outs[-1].finish_reason == "length"
 
 
+def _greedy(backend: str, device: str = "cpu") -> list[int]:
+    eng = Engine(EngineConfig(model="tiny-qwen3-moe", dummy_weights=True, dummy_format="q4_k",
+                              moe_backend=backend, device=device, dtype="float32",
+                              show_progress=False))
+    eng.add_request("a", [3, 4, 5, 6], SamplingParams(max_tokens=5, temperature=0,
+                                                        ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].error is None
+    return outs[-1].output_token_ids
+
+
+def test_every_moe_backend_runs_dummy_weights():
+    want = _greedy("fused")
+    assert len(want) == 5
+    for backend in ("offload", "hybrid", "cpu"):
+        assert _greedy(backend) == want, backend
+
+
 @pytest.mark.parametrize("field, value, flag", [("dummy_format", "q4_k", "--dummy-format"),
                                                 ("dummy_layers", 2, "--dummy-layers")])
 def test_dummy_flags_without_dummy_weights_refused(field, value, flag):
@@ -176,6 +196,11 @@ def test_weights_made_on_the_device():
     bank = model.model.layers[0].mlp.experts.bank
     assert bank.w13.data.is_cuda and bank.w13.scales.is_cuda and bank.scales.is_cuda
     assert torch.isfinite(prefill_logits(model, [[1, 2, 3]])[0]).all()
+    # offload / hybrid / cpu: the experts are drawn straight into host banks.
+    eng = Engine(EngineConfig(model="tiny-qwen3-moe", dummy_weights=True, dummy_format="q4_k",
+                              moe_backend="offload", device="cuda", show_progress=False))
+    assert eng.model.model.layers[0].mlp.experts.bank.w13.data.device.type == "cpu"
+    assert len(_greedy("offload", "cuda")) == 5
 
 
 if __name__ == "__main__":
