@@ -71,7 +71,7 @@ def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
                    help="prompt lengths of the prefill measurement (default 512,2048)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed decode steps before timing (graph capture, autotuning); "
-                   "prefill warms up once when > 0")
+                   "prefill runs each length once untimed when > 0")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's; 1 on a busy shared CPU)")

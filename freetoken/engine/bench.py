@@ -199,7 +199,7 @@ def run_decode(runner: Runner, batches: list[int], prompt_len: int, tokens: int,
 
 
 def run_prefill(runner: Runner, prompt_lens: list[int], warmup: int) -> list[PrefillResult]:
-    for n in prompt_lens[:1] * warmup:
+    for n in prompt_lens * warmup:  # each shape once: kernels compile / tune per shape
         runner.prefill(n)
     results = []
     for n in prompt_lens:
