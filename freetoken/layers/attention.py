@@ -12,7 +12,6 @@ from freetoken import kernels
 from freetoken.engine.context import ForwardContext
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
-from freetoken.layers.rotary import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,9 @@ class Attention(nn.Module):
         q = q.reshape(-1, s.num_heads, s.head_dim)  # [T, Hq, d]
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, d]
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        # q/k norm and rotary: one launch for both on the GPU (kernels/triton/rotary.py)
+        norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
+        q, k = kernels.qk_rope(q, k, *rope, *norms, eps=s.norm_eps)
         o = kernels.paged_attention(
             q, k, v, ctx.kv_caches[self.layer_id], ctx,
             scale=s.scale, window=s.window, softcap=s.softcap,

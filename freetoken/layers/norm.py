@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken import kernels
 from freetoken.formats.errors import FormatError
 
 
@@ -35,6 +36,10 @@ class RMSNorm(nn.Module):
         self.weight = self.weight.to(device=device, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight).to(x.dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm decoder's residual step (one
+        launch on the GPU; the sum is rounded to x's dtype first, as `x + residual` is)."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from freetoken import kernels
 from freetoken.formats.errors import FormatError
 
 SCALING_TYPES = ("default", "linear", "llama3")
@@ -69,8 +70,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, d] rotated in fp32 (rotate_half convention), returned in x's dtype."""
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-    return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+    """x [T, H, d] rotated in fp32 (rotate_half convention), returned in x's dtype (one Triton
+    launch on CUDA: `kernels.qk_rope` with no key heads)."""
+    return kernels.qk_rope(x, x[:, :0], cos, sin)[0]
