@@ -43,21 +43,11 @@ class MoESpec:
 
 def route(logits: torch.Tensor, spec: MoESpec, bias: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (expert ids int64 [T, k], routing weights fp32 [T, k])."""
-    logits = logits.float()
-    if spec.scoring == "softmax":
-        probs = torch.softmax(logits, dim=-1)
-        w, ids = torch.topk(probs, spec.top_k, dim=-1)
-    elif spec.scoring == "sigmoid":
-        probs = torch.sigmoid(logits)
-        choice = probs if bias is None else probs + bias.float()
-        ids = torch.topk(choice, spec.top_k, dim=-1).indices
-        w = probs.gather(1, ids)
-    else:
-        raise ValueError(f"unknown router scoring {spec.scoring!r}")
-    if spec.renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return ids, w
+    """Router logits [T, E] -> (expert ids int64 [T, k], routing weights fp32 [T, k]).
+    One Triton launch on CUDA; the torch reference elsewhere (freetoken/kernels/route.py)."""
+    from freetoken import kernels
+
+    return kernels.route_topk(logits, spec.top_k, spec.scoring, spec.renormalize, bias)
 
 
 _HOST_BANKS = False  # set by host_banks(): finalize() keeps the banks in host memory

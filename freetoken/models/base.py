@@ -68,7 +68,9 @@ class CausalLM(nn.Module):
         residual = None
         for layer, rope in zip(self.model.layers, ropes):
             x, residual = layer(x, residual, ctx, rope)
-        return self.model.norm(x + residual if residual is not None else x)
+        if residual is None:
+            return self.model.norm(x)
+        return self.model.norm.forward_add(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""

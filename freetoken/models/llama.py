@@ -31,10 +31,14 @@ class LlamaDecoderLayer(nn.Module):
         ctx: ForwardContext,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else x + residual
-        x = self.self_attn(self.input_layernorm(residual), ctx, rope)
-        residual = x + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        # residual adds fused into the norms (one launch each on the GPU)
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h, residual = self.post_attention_layernorm.forward_add(self.self_attn(h, ctx, rope),
+                                                                residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(CausalLM):
