@@ -5,10 +5,13 @@ one slot (`_align`); a program owns one block and BN output rows:
 1. `_gate_up_kernel`: g = x Wg^T * s[slot, 0], u = x Wu^T * s[slot, 1] from the slot's w13 rows
    (gate rows n, up rows I + n, decoded in registers), a[r, n] = glu(g, u), fp32;
 2. `_down_kernel`: y[r, :] = (a[r] Wd^T) * s[slot, 2] * route_weight[r], fp32 per route;
-then y.view(T, k, H).sum(1): deterministic (no atomics), and a route whose expert maps to slot
--1 keeps its zero row (another path computes it).
+then `_sum_routes_kernel` sums each token's k rows in fp32 and casts them (one launch):
+deterministic (no atomics), and a route whose expert maps to slot -1 keeps its zero row
+(another path computes it).
 Decode (few routes) uses BM = 1: one program per (route, row block), a GEMV over that expert's
-rows with no sort at all (vLLM's sort/align only pays off once several routes share an expert).
+rows with no sort at all (vLLM's sort/align only pays off once several routes share an expert);
+block b is route b, whose slot is topk_ids[b] itself (or expert_map[topk_ids[b]]): no launch
+prepares the routes without a map, one gather with it.
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
 """
@@ -42,8 +45,23 @@ def _glu(g, u, ACT: tl.constexpr):
 def _block_routes(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr):
     pid_b = tl.program_id(0)
     slot = tl.load(block_slot_ptr + pid_b)
-    routes = tl.load(route_ids_ptr + pid_b * BM + tl.arange(0, BM))
+    if BM == 1:  # decode: block b is route b (no route table to read)
+        routes = pid_b + tl.arange(0, 1)
+    else:
+        routes = tl.load(route_ids_ptr + pid_b * BM + tl.arange(0, BM))
     return slot, routes, routes < R
+
+
+@triton.jit
+def _sum_routes_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t, n] = sum_j y[t * TOPK + j, n] (fp32, in j order), stored in out's dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < H
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        acc += tl.load(y_ptr + (t * TOPK + j) * H + n, mask=ok, other=0.0)
+    tl.store(out_ptr + t * H + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -64,9 +82,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
     x_rows = x_ptr + (routes // TOPK)[:, None].to(tl.int64) * stride_xm
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1:  # decode: one route, K a multiple of BK
-        x_row = x_ptr + (tl.load(route_ids_ptr + tl.program_id(0)) // TOPK).to(tl.int64) \
-            * stride_xm
+    if BM == 1:  # decode: one route (route = block), K a multiple of BK
+        x_row = x_ptr + (tl.program_id(0) // TOPK).to(tl.int64) * stride_xm
         for k0 in tl.range(0, K, BK):
             acc_g += gemv_block(FMT, wg, sg, x_row, k0, n_ok, BK)[None, :]
             acc_u += gemv_block(FMT, wu, su, x_row, k0, n_ok, BK)[None, :]
@@ -105,8 +122,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                                FMT)
     a_rows = a_ptr + routes[:, None].to(tl.int64) * stride_am
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1:  # decode: one route, K a multiple of BK
-        a_row = a_ptr + tl.load(route_ids_ptr + tl.program_id(0)).to(tl.int64) * stride_am
+    if BM == 1:  # decode: one route (route = block), K a multiple of BK
+        a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
         for k0 in tl.range(0, K, BK):
             acc += gemv_block(FMT, w_rows, s_rows, a_row, k0, n_ok, BK)[None, :]
     else:
@@ -157,12 +174,14 @@ def _align(slots: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, 
 
 def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: int,
             bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if bm == 1:  # route r is block r: the kernels read no route table (`_block_routes`)
+        slots = topk_ids.reshape(-1)  # a view: no launch without a map
+        if expert_map is not None:
+            slots = expert_map[slots.long()]  # int32, one gather
+        return slots, slots
     slots = topk_ids.reshape(-1).long()
     if expert_map is not None:
         slots = expert_map.long()[slots]
-    if bm == 1:
-        r = slots.numel()
-        return torch.arange(r, dtype=torch.int32, device=slots.device), slots.to(torch.int32)
     return _align(slots, num_slots, bm)
 
 
@@ -216,9 +235,11 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                          f"intermediate {inter}")
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
-    y = torch.zeros(r, h, dtype=torch.float32, device=x.device)
     if r == 0:
-        return y.reshape(t, h).to(x.dtype)
+        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    # Every route's row is written unless a map sends it elsewhere (then it must read zero).
+    y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
+                                                           device=x.device)
     w13, s13 = weight_args(bank.w13)
     w2, s2 = weight_args(bank.w2)
     scales = bank.scales.contiguous()
@@ -236,4 +257,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk,
         FAST=has_fast_tile(format_id(bank.w2), inter, bk), num_warps=warps,
         enable_fp_fusion=False)
-    return y.view(t, topk, h).sum(1).to(x.dtype)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
+                                                   num_warps=4)
+    return out
