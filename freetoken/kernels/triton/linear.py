@@ -142,7 +142,10 @@ def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, 
     # at one token, NVFP4 / Q4_K rows in pairs with one warp per program beat 4-16 rows with
     # 4-8 warps by 1.2-2x (qkv 5120x2048: 707 / 659 GB/s); prefill (512 tokens) NVFP4 128x64
     # tiles, Q4_K 64x128 (86-105 / 82-99 TFLOP/s, against 56-82 with 64x64).
-    bk = gemv_bk(fmt, k)
+    # Q8_0 rows are 34-byte blocks (2-byte aligned: short loads): 1024-wide chunks keep 4x the
+    # bytes of a 256-wide one in flight per program (qkv, o_proj and the lm_head of the dummy
+    # models are Q8_0: more bytes per decode step than the routed experts).
+    bk = gemv_bk(fmt, k, 1024 if fmt == 12 else 256)
     if m == 1 and bk is not None:
         if fmt in (1, 13):
             return 1, 2, bk, 1
