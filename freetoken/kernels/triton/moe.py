@@ -69,7 +69,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
                     stride_xm, stride_ws, stride_wn, stride_ss, stride_sn, stride_am,
                     K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                     FMT: tl.constexpr, DOT: tl.constexpr, ACT: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
+                    UNROLL: tl.constexpr):
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
     if slot < 0:
         return
@@ -84,7 +85,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     if BM == 1:  # decode: one route (route = block), K a multiple of BK
         x_row = x_ptr + (tl.program_id(0) // TOPK).to(tl.int64) * stride_xm
-        for k0 in tl.range(0, K, BK):
+        for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
             acc_g += gemv_block(FMT, wg, sg, x_row, k0, n_ok, BK)[None, :]
             acc_u += gemv_block(FMT, wu, su, x_row, k0, n_ok, BK)[None, :]
     else:
@@ -111,7 +112,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
 def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
                  y_ptr, R, stride_am, stride_ws, stride_wn, stride_ss, stride_sn, stride_ym,
                  K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
+                 UNROLL: tl.constexpr):
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
     if slot < 0:
         return
@@ -124,7 +126,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if BM == 1:  # decode: one route (route = block), K a multiple of BK
         a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
-        for k0 in tl.range(0, K, BK):
+        for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
             acc += gemv_block(FMT, w_rows, s_rows, a_row, k0, n_ok, BK)[None, :]
     else:
         for k0 in tl.range(0, K, BK):
@@ -215,14 +217,25 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
     return 64, 64, bk, 8
 
 
+def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
+    """K-loop unroll of the per-route GEMV: with 2 rows and one warp a program holds few bytes
+    per chunk, and a rolled loop waits one memory round trip per chunk (8 for gate/up at
+    hidden 2048): unrolled, the chunks' loads are in flight together."""
+    if unroll is not None:
+        return unroll
+    return min(8, k // bk) if bm == 1 and bn <= 2 else 1
+
+
 def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, activation: str = "silu",
                      expert_map: torch.Tensor | None = None,
-                     tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                     tiles: tuple[int, int, int, int] | None = None,
+                     unroll: int | None = None) -> torch.Tensor:
     """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
 
     `tiles` (BM, BN, BK, num_warps) overrides the choice by batch size (tests under the
-    interpreter use wide row blocks: fewer programs to interpret)."""
+    interpreter use wide row blocks: fewer programs to interpret); `unroll` the GEMV's K-loop
+    unroll (`_unroll`; 1 = rolled, for A/B measurements)."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
@@ -249,13 +262,15 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         x, w13, s13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
         FMT=format_id(bank.w13), DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
-        FAST=has_fast_tile(format_id(bank.w13), h, bk), num_warps=warps,
+        FAST=has_fast_tile(format_id(bank.w13), h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
+        num_warps=warps,
         enable_fp_fusion=False)
     _down_kernel[(nb, triton.cdiv(h, bn))](
         a, w2, s2, scales, route_ids, block_slot, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
         FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk,
-        FAST=has_fast_tile(format_id(bank.w2), inter, bk), num_warps=warps,
+        FAST=has_fast_tile(format_id(bank.w2), inter, bk),
+        UNROLL=_unroll(unroll, bm, bn, inter, bk), num_warps=warps,
         enable_fp_fusion=False)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
