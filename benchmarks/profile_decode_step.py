@@ -11,6 +11,11 @@ gap is launch overhead, host work and idle device) and the host-side calls that 
 or a torch-reference fallback inside the step (`aten::_local_scalar_dense` = `.item()` /
 `.tolist()`, memcpy, stream / device synchronize), per step. Without CUDA it profiles the CPU
 ops instead (a small model: `--dummy-layers 2`), so the script itself is tested on any machine.
+
+`--kernel-ab` (CUDA) times the decode kernels whose settings changed with this profile against
+their previous settings, at one token on Qwen3-30B-A3B shapes, replayed from CUDA graphs
+(benchmarks/bench_gpu_kernels.py's timer): the Q8_0 GEMV with 1024- vs 256-wide K chunks and
+the fused MoE layer (Q4_K, NVFP4) with the unrolled vs the rolled K loop.
 """
 
 from __future__ import annotations
@@ -131,6 +136,39 @@ def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], batch: int,
     return "\n".join(out)
 
 
+def kernel_ab() -> None:
+    """Decode kernels now vs before (see the module docstring): us per call and GB/s."""
+    from bench_gpu_kernels import DENSE, make_weight, time_call
+
+    from freetoken.kernels.triton.linear import triton_linear
+    from freetoken.kernels.triton.moe import fused_moe_triton
+    from freetoken.moe.banks import ExpertBank
+
+    def row(label: str, fn, nbytes: float) -> None:
+        _, g = time_call(fn)
+        print(f"{label:<44} {g * 1e3:8.1f} us {nbytes / g / 1e6:7.0f} GB/s", flush=True)
+
+    for name, n, k in DENSE:
+        qw = make_weight("Q8_0", (n, k))
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        bn = 4 if n <= 4096 else 8
+        for bk in (1024, 256):
+            row(f"Q8_0 {name} {n}x{k} BK={bk}",
+                lambda x=x, qw=qw, t=(1, bn, bk, 4): triton_linear(x, qw, t), qw.nbytes())
+    e, h, inter, topk = 128, 2048, 768, 8
+    ids = torch.randperm(e, device="cuda")[:topk][None]
+    w = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    for fmt in ("Q4_K", "nvfp4"):
+        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
+                          torch.rand(e, 4, device="cuda") + 0.5)
+        nbytes = topk * (bank.w13.nbytes() + bank.w2.nbytes()) / e
+        for unroll in (None, 1):
+            row(f"MoE {fmt} 1 token top-8 unroll={unroll or 'default'}",
+                lambda b=bank, u=unroll: fused_moe_triton(x, b, ids, w, "silu", None, None, u),
+                nbytes)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from freetoken.cli import add_engine_args
 
@@ -143,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     p.add_argument("--rows", type=int, default=40, help="kernels listed per table")
+    p.add_argument("--kernel-ab", action="store_true",
+                   help="only time the changed decode kernels against their previous settings")
     p.add_argument("--trace", default=None, metavar="PREFIX",
                    help="also write chrome traces PREFIX.b<batch>.json")
     return p.parse_args(argv)
@@ -150,6 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.kernel_ab:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        kernel_ab()
+        return 0
     runner = _engine(args)
     for b in args.batch:
         print(profile_batch(runner, b, args), flush=True)
