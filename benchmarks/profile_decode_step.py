@@ -156,17 +156,20 @@ def kernel_ab() -> None:
             row(f"Q8_0 {name} {n}x{k} BK={bk}",
                 lambda x=x, qw=qw, t=(1, bn, bk, 4): triton_linear(x, qw, t), qw.nbytes())
     e, h, inter, topk = 128, 2048, 768, 8
-    ids = torch.randperm(e, device="cuda")[:topk][None]
-    w = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
-    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
     for fmt in ("Q4_K", "nvfp4"):
         bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
                           torch.rand(e, 4, device="cuda") + 0.5)
-        nbytes = topk * (bank.w13.nbytes() + bank.w2.nbytes()) / e
-        for unroll in (None, 1):
-            row(f"MoE {fmt} 1 token top-8 unroll={unroll or 'default'}",
-                lambda b=bank, u=unroll: fused_moe_triton(x, b, ids, w, "silu", None, None, u),
-                nbytes)
+        per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
+        # 16 tokens: the per-route GEMV with 16 rows (rolled by default) at other unrolls
+        for t, unrolls in ((1, (None, 1)), (16, (None, 2, 4))):
+            ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+            x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+            nbytes = int(torch.unique(ids).numel()) * per_expert
+            for u in unrolls:
+                row(f"MoE {fmt} {t} tokens top-8 unroll={u or 'default'}",
+                    lambda a=(x, bank, ids, w, "silu", None, None, u): fused_moe_triton(*a),
+                    nbytes)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
