@@ -71,7 +71,9 @@ class ExpertCache:
         c = self.cache
         fetched = c.plan(layer, ids, self.fetch_limit)
         emap = c.expert_map(layer)  # the map already names the slots being filled
-        job = None if self.fetch_all else self._cpu_inputs(x, ids, w, emap)
+        job = None
+        if not self.fetch_all:
+            fetched, job = self._to_host(x, ids, w, emap, fetched)
         self._fill(layer, fetched)
         y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
         if self.fetch_all:
@@ -112,20 +114,28 @@ class ExpertCache:
             left &= emap.long()[ids.long()] < 0
         return y.to(x.dtype)
 
-    def _cpu_inputs(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                    emap: torch.Tensor) -> tuple | None:
-        """The routes whose expert has no slot, on the host: (rows, ids, weights, x rows), or
-        None when there are none.
+    def _to_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                 emap: torch.Tensor, fetched: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
+        """The fetch list and the CPU's share on the host, in two transfers (each read of a
+        device tensor is a sync on a GPU: one per tensor would cost tens of microseconds a
+        layer). Returns (fetched on the host, (rows, ids, weights, x rows) or None when the
+        CPU has no routes).
 
-        NOTE: reads the routes on the host (a sync on a GPU, made before the device work is
-        queued, so that the executor then overlaps it); the CUDA-graph hand-off (a host
-        function on the stream) is not built yet."""
-        on_cpu = (emap.long()[ids.long()] < 0).cpu()  # [T, k]
-        if not bool(on_cpu.any()):
-            return None
-        rows, ids_c, w_c = _compact(on_cpu, ids.cpu(), w.float().cpu())
-        xh = x[rows.to(x.device)].float().cpu().contiguous()
-        return rows, ids_c, w_c.contiguous(), xh
+        NOTE: made before the device work is queued, so that the executor then overlaps it;
+        the CUDA-graph hand-off (a host function on the stream) is not built yet."""
+        T, k = ids.shape
+        on_cpu = emap.long()[ids.long()] < 0  # [T, k]
+        packed = torch.cat([fetched.reshape(-1), on_cpu.reshape(-1).long(),
+                            ids.reshape(-1).long()]).cpu()
+        n = fetched.shape[1]
+        fetched_h = packed[:2 * n].view(2, n)
+        on_cpu_h = packed[2 * n:2 * n + T * k].view(T, k).bool()
+        if not bool(on_cpu_h.any()):
+            return fetched_h, None
+        ids_h = packed[2 * n + T * k:].view(T, k)
+        xw = torch.cat([x.float(), w.float()], dim=1).cpu()  # [T, H + k]
+        rows, ids_c, w_c = _compact(on_cpu_h, ids_h, xw[:, x.shape[1]:])
+        return fetched_h, (rows, ids_c, w_c.contiguous(), xw[rows, :x.shape[1]].contiguous())
 
     def _cpu_run(self, layer: int, shape: torch.Size, job: tuple, activation: str
                  ) -> torch.Tensor:
