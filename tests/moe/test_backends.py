@@ -227,6 +227,24 @@ def test_backend_matches_fused_cuda(case, backend):
     test_backend_matches_fused(case, backend, Q, 4, device="cuda")
 
 
+def test_gguf_mxfp4_repack_is_bit_exact():
+    """The CPU executor reads GGUF MXFP4 experts repacked into the MXFP4 layout: the same
+    values as gguf-py's numpy dequantization of the file's blocks, bit for bit."""
+    import gguf
+    import numpy as np
+
+    from freetoken.formats.gguf import GGUFFile
+    from freetoken.moe.host_banks import gguf_mxfp4_to_mxfp4
+
+    gf = GGUFFile(gguf_source("qwen3_moe"))
+    name = "blk.1.ffn_up_exps.weight"
+    qw = gf.weight(name)
+    assert qw.ggml_type == int(gguf.GGMLQuantizationType.MXFP4)
+    ref = gguf.quants.dequantize(gf.raw(name), gguf.GGMLQuantizationType.MXFP4)
+    got = dequantize(gguf_mxfp4_to_mxfp4(qw)).numpy()
+    assert np.array_equal(got.reshape(ref.shape).view(np.uint32), ref.view(np.uint32))
+
+
 def test_auto_and_no_gpu_are_logged(caplog):
     """auto on a CPU-only machine: fused (every expert fits in host memory), said in the log;
     a cache backend without a GPU: the CPU stands in, said in the log."""
