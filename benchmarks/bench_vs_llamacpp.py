@@ -16,6 +16,9 @@ built from its `vendor/llama.cpp` with CUDA for the H200 (FACTS.md):
 The whole sdist (77 MB) is larger than what may travel to the GPU machine (64 MiB); a tarball
 of its vendor/llama.cpp without `models/` (tokenizer test vocabularies) and `docs/` is 13 MB and
 builds the same llama-bench (tests and examples are not configured, so nothing reads those).
+Checked on the CPU-only development machine (2026-11-30): llama-bench built from that tarball
+(`-DGGML_CUDA=OFF -DGGML_NATIVE=OFF`) loads and runs small files of make_random_gguf.py with
+Q4_K and with NVFP4 experts, and this script parses its output.
 
 llama-bench runs `-ngl 99 -t THREADS -p PROMPT -n GEN -o json` (batch-1 decode and a prompt of
 PROMPT tokens, both in tokens/s); FreeToken runs `ft bench decode` at every --batch with the
