@@ -108,7 +108,9 @@ def make_app(cfg: ServerConfig, engine_factory=None, announce: bool = False):
         if announce:
             from freetoken.server.banner import banner
 
-            path = str(assets.resolve_model(cfg.engine.model))
+            e = cfg.engine
+            path = (f"{e.model} (random {e.dummy_format} weights)" if e.dummy_weights
+                    else str(assets.resolve_model(e.model)))
             text = banner(state, engine, cfg.host, cfg.port, bool(cfg.api_key), path)
             print(text, file=sys.stderr, flush=True)
         return engine
@@ -133,4 +135,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _check(cfg: EngineConfig) -> None:
     """Fail before opening the socket on what can be checked without loading."""
+    if cfg.dummy_weights:  # a built-in shape or a path: models/dummy.py checks it
+        from freetoken.models.dummy import dummy_config
+
+        dummy_config(cfg.model, cfg.dummy_layers)
+        return
     assets.resolve_model(cfg.model)

@@ -333,8 +333,8 @@ class IdTokenizer:
         return [str(i) for i in ids]
 
     def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **kw) -> str:
-        raise ValueError("a --dummy-weights model has no chat template: send token ids as "
-                         "plain completion (--no-chat)")
+        raise ValueError("a --dummy-weights model has no chat template: send token ids as a "
+                         "plain completion (/v1/completions, ft generate --no-chat)")
 
     def encode_chat(self, messages, **kwargs) -> list[int]:
         return self.encode(self.apply_chat_template(messages, **kwargs))
