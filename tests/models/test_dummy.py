@@ -183,6 +183,14 @@ def test_dummy_flags_without_dummy_weights_refused(field, value, flag):
         Engine(EngineConfig(model="tiny-llama", **{field: value}))
 
 
+def test_serve_start_check_takes_builtin_names():
+    from freetoken.commands.serve import _check
+
+    _check(EngineConfig(model="qwen3-30b-a3b", dummy_weights=True))  # no file: fine
+    with pytest.raises(ValueError, match="built-in"):
+        _check(EngineConfig(model="no-such-shape", dummy_weights=True))
+
+
 def test_dummy_weights_need_a_model():
     with pytest.raises(ValueError, match="--dummy-weights needs --model"):
         Engine(EngineConfig(dummy_weights=True))
