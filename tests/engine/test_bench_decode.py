@@ -48,6 +48,7 @@ def _run(tmp_path, *args: str) -> dict:
     out = tmp_path / "bench.json"
     rc = main(["bench", *args, "--model", "tiny-qwen3-moe", "--dummy-weights",
                "--dummy-format", "q4_k", "--no-show-progress", "--torch-threads", "1",
+               "--device", "cpu",  # the expected bytes assume the CPU's f32 routers
                "--json", str(out)])
     assert rc == 0
     return json.loads(out.read_text())
