@@ -76,10 +76,12 @@ CASES = {
 }
 Q, X2 = 0.25, 2.0  # cache: a quarter of one layer's experts (evictions), twice the count
 # (case, backend, cache slots per expert, batch): the whole product (3 backends x 2 caches x
-# batch 1 and 4) on qwen3-moe GGUF, each other architecture and format with evictions once.
+# batch 1 and 4) on qwen3-moe GGUF; each other architecture and format with evictions.
 MATRIX = [("qwen3_moe-gguf", b, r, n) for b in ("offload", "cpu", "hybrid") for r in (X2, Q)
           for n in (1, 4)] + [
-    ("gemma4-gguf", "hybrid", Q, 4), ("qwen3_5_moe-gguf", "hybrid", Q, 1),
+    ("gemma4-gguf", "hybrid", Q, 4), ("gemma4-gguf", "offload", Q, 1),
+    ("qwen3_5_moe-gguf", "hybrid", Q, 1), ("qwen3_5_moe-gguf", "cpu", Q, 4),
+    ("qwen3_moe-nvfp4", "hybrid", Q, 4),
     ("qwen3_moe-hf", "cpu", Q, 4), ("qwen3_moe-hf", "offload", Q, 4),
     ("minimax_m2-hf", "hybrid", Q, 1), ("qwen3_moe-nvfp4", "cpu", Q, 1),
     ("qwen3_moe-hf-bf16", "hybrid", Q, 4),
