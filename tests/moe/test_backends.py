@@ -38,10 +38,12 @@ from freetoken.moe.runtime import configure_moe
 DATA = Path(__file__).resolve().parents[1] / "data"
 TOKENS = 32
 # max |logit diff| / logit range with 8-bit activations on the CPU side. Observed (teacher-
-# forced, 32 steps): qwen3-moe GGUF cpu bs1 0.019, gemma4 GGUF hybrid bs4 0.09 (one Q4_K layer
-# alone: 1.4% of its output's max, amplified by gemma's softcapped logits), qwen3-moe NVFP4 cpu
-# 0.006; the MXFP4 layers agree to 1e-7 (fp32 kernel). A wrong expert, scale or
-# double-counted route moves logits by O(range). test_moe_llamacpp.py allows a quarter.
+# forced, 32 steps): qwen3-moe GGUF cpu / hybrid 0.018-0.023; gemma4 GGUF hybrid bs4 0.090 (one
+# Q4_K layer alone: 1.4% of its output's max, amplified by gemma's softcapped logits);
+# qwen3.5-moe GGUF hybrid bs1 0.012, cpu bs4 0.115 (its recurrent state carries the error on);
+# NVFP4 0.005-0.006; HF BF16 0.005; the MXFP4 layers agree to 1e-7 (fp32 kernel). A wrong
+# expert, scale or double-counted route moves logits by O(range); test_moe_llamacpp.py allows
+# a quarter.
 QUANT_TOL = 0.15
 PROMPTS = [[1, 450, 3000, 77, 900], [1, 12, 7000], [1, 3333, 44, 5], [1, 808, 9000, 21, 3, 64]]
 
