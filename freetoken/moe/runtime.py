@@ -107,7 +107,8 @@ class MoERuntime:
             m.backend = LayerBackend(self.cache, i)
         self._report(hosts, total, sizing, device)
         self.log_interval = getattr(config, "decode_log_interval", 0) or 0
-        self._steps, self._tokens, self._t0 = 0, 0, time.perf_counter()
+        self._steps, self._tokens = 0, 0
+        self._t0: float | None = None
         self._last = self.counters()
 
     def _report(self, hosts, total: int, sizing: str, device: torch.device) -> None:
@@ -128,6 +129,9 @@ class MoERuntime:
         """Count an engine step (called by the engine: a CUDA graph replay runs no Python in
         the model); every log_interval decode steps log speed and the expert cache."""
         if not decode or self.log_interval <= 0:
+            return
+        if self._t0 is None:  # the first decode step starts the clock (not the load)
+            self._t0, self._last = time.perf_counter(), self.counters()
             return
         self._steps += 1
         self._tokens += num_tokens

@@ -282,7 +282,8 @@ def test_engine_counters_and_decode_log(caplog):
                        moe_cache_size=4, decode_log_interval=4, show_progress=False)
     engine = Engine(cfg)
     routes = RouteCounter(engine.model)
-    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=9, temperature=0))
+    # 1 prefill + 9 decode steps: the first decode step starts the clock, 8 are logged
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=10, temperature=0))
     while engine.has_unfinished():
         engine.step()
     c = engine.stats().moe_experts
