@@ -4,9 +4,11 @@ device, misses fetched into slots or computed by the CPU executor.
 One `ExpertCache` serves every MoE layer of a model (one slot pool, one executor); each
 layer's FusedExperts calls `LayerBackend`, which has the MoEFn signature of backends.py. Per
 layer call, with M missing experts (distinct experts the call routes to that no slot holds):
-- offload: F = M (all fetched; misses beyond the slots this call may evict go to the CPU);
+- offload: F = M (when the misses outnumber the slots the call may evict, the rest are
+  fetched and computed in further rounds);
 - cpu: F = 0 (every miss to the CPU executor);
-- hybrid: F = round(q* M), capped by --moe-hybrid-max-fetch (policy.py).
+- hybrid: F = round(q* M), capped by --moe-hybrid-max-fetch (policy.py);
+- a call of PREFILL_TOKENS tokens or more fetches every miss whatever the backend.
 The device computes the hits and the fetched experts with the fused MoE kernel reading slots
 through the map (`fused_moe(..., expert_map=)`, -1 = not on the device); the CPU computes the
 routes of the other misses from the host banks; the two partial sums are added.
@@ -26,6 +28,14 @@ from freetoken.moe.slot_cache import SlotCache
 
 logger = logging.getLogger(__name__)
 CACHE_BACKENDS = ("offload", "hybrid", "cpu")
+# A layer call with this many tokens (a prefill) fetches every miss on every backend: the
+# device computes many tokens per expert byte, the CPU executor few. (The seed streams such
+# steps through a double buffer beside the cache; here they go through the slot cache.)
+PREFILL_TOKENS = 64
+
+
+def _all(misses: torch.Tensor) -> torch.Tensor:
+    return misses
 
 
 class ExpertCache:
@@ -69,14 +79,15 @@ class ExpertCache:
         device kernel (hits + fetched) queued; the CPU executor runs while the device works;
         the two partial sums added."""
         c = self.cache
-        fetched = c.plan(layer, ids, self.fetch_limit)
+        fetch_all = self.fetch_all or ids.shape[0] >= PREFILL_TOKENS
+        fetched = c.plan(layer, ids, _all if fetch_all else self.fetch_limit)
         emap = c.expert_map(layer)  # the map already names the slots being filled
         job = None
-        if not self.fetch_all:
+        if not fetch_all:
             fetched, job = self._to_host(x, ids, w, emap, fetched)
         self._fill(layer, fetched)
         y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
-        if self.fetch_all:
+        if fetch_all:
             return self._more_rounds(layer, x, ids, w, emap, y, activation)
         if job is None:
             return y
@@ -106,7 +117,7 @@ class ExpertCache:
         y = y.float()
         while bool(left.any()):
             sub = ids[left].reshape(-1, 1)
-            self._fill(layer, c.plan(layer, sub, self.fetch_limit, count=False))
+            self._fill(layer, c.plan(layer, sub, _all, count=False))
             mine = torch.zeros(c.num_experts, dtype=torch.bool, device=ids.device)
             mine[sub.flatten().long()] = True
             emap = torch.where(mine, c.expert_map(layer), -1).to(torch.int32)

@@ -237,6 +237,24 @@ def test_backend_matches_fused_cuda(case, backend):
     test_backend_matches_fused(case, backend, Q, 4, device="cuda")
 
 
+@pytest.mark.parametrize("backend", ["cpu", "hybrid"])
+def test_prefill_fetches_every_miss(backend):
+    """A step of PREFILL_TOKENS tokens or more runs every expert on the device, whatever the
+    backend: no CPU experts, and the fused logits up to the order of the experts' sums."""
+    from freetoken.models.testing import prefill_logits
+    from freetoken.moe.expert_cache import PREFILL_TOKENS
+
+    prompt = [1] + [(37 * i) % 40000 + 5 for i in range(PREFILL_TOKENS + 5)]
+    ref = prefill_logits(load("qwen3_moe-gguf"), [prompt])[0]
+    model = load("qwen3_moe-gguf")
+    rt = configure_moe(model, EngineConfig(moe_backend=backend, moe_cache_size=2),
+                       torch.device("cpu"))
+    got = prefill_logits(model, [prompt])[0]
+    c = rt.counters()
+    assert c["cpu"] == 0 and c["fetched"] == c["misses"] > 0, c
+    assert float((got - ref).abs().max()) <= 1e-4 * float(ref.max() - ref.min())
+
+
 def test_gguf_mxfp4_repack_is_bit_exact():
     """The CPU executor reads GGUF MXFP4 experts repacked into the MXFP4 layout: the same
     values as gguf-py's numpy dequantization of the file's blocks, bit for bit."""
