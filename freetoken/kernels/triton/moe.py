@@ -14,6 +14,8 @@ block b is route b, whose slot is topk_ids[b] itself (or expert_map[topk_ids[b]]
 prepares the routes without a map, one gather with it.
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
+From 2 to 16 tokens (`GROUPED_TOKENS`) `moe_grouped.py` takes the experts: routes grouped by
+slot in one small kernel, each group's expert rows decoded once for all of its tokens.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
+from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, grouped_expert_kernels
 from freetoken.kernels.triton.quant import decode_tile, format_id
 from freetoken.kernels.triton.tiles import fast_tile, has_fast_tile
 from freetoken.moe.banks import ExpertBank
@@ -229,21 +232,71 @@ def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
     return min(8, k // bk) if bm == 1 and bn <= 2 else 1
 
 
+# Tokens per step at which the grouped kernels (moe_grouped.py) replace the per-route GEMV: at
+# one token the k routes are k distinct experts, nothing to share.
+GROUPED_TOKENS = (2, 16)
+
+
+def _grouped_tiles(tokens: int, topk: int, bank: ExpertBank,
+                   grouped: bool | None) -> tuple[int, int, int, int, int] | None:
+    """(BT, BN, BK gate/up, BK down, num_warps) of the grouped kernels, or None for the other
+    paths: off (`grouped=False`, or by size), too many routes, or a K no GEMV chunk divides."""
+    lo, hi = GROUPED_TOKENS
+    if grouped is False or (grouped is None and not lo <= tokens <= hi):
+        return None
+    bk13 = gemv_bk(format_id(bank.w13), bank.hidden)
+    bk2 = gemv_bk(format_id(bank.w2), bank.intermediate)
+    if bk13 is None or bk2 is None or tokens * topk > MAX_ROUTES:
+        return None
+    bt = 4 if tokens * topk > 32 else 2  # a group holds up to BT routes of one expert
+    return bt, 4, bk13, bk2, 1
+
+
+def _fused_grouped(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, act: int, expert_map: torch.Tensor | None,
+                   tiles: tuple[int, int, int, int, int], unroll: int | None) -> torch.Tensor:
+    t, topk = topk_ids.shape
+    h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
+    # A route whose slot is -1 gets no group: its row must read zero.
+    y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
+                                                           device=x.device)
+    bt, bn, bk13, bk2, warps = tiles
+    grouped_expert_kernels(
+        x, weight_args(bank.w13), weight_args(bank.w2),
+        (format_id(bank.w13), format_id(bank.w2)), bank.scales.contiguous(), topk_ids,
+        topk_weights.reshape(-1).contiguous(), expert_map, y, act, inter,
+        (bt, bn, bk13, bk2, warps),
+        (_unroll(unroll, 1, bn, h, bk13), _unroll(unroll, 1, bn, inter, bk2)))
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
+                                                   num_warps=4)
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      topk_weights: torch.Tensor, activation: str = "silu",
                      expert_map: torch.Tensor | None = None,
                      tiles: tuple[int, int, int, int] | None = None,
-                     unroll: int | None = None) -> torch.Tensor:
+                     unroll: int | None = None, grouped: bool | None = None,
+                     group_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
     """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
 
     `tiles` (BM, BN, BK, num_warps) overrides the choice by batch size (tests under the
     interpreter use wide row blocks: fewer programs to interpret); `unroll` the GEMV's K-loop
-    unroll (`_unroll`; 1 = rolled, for A/B measurements)."""
+    unroll (`_unroll`; 1 = rolled, for A/B measurements). `grouped` forces the grouped decode
+    kernels on (True, where their chunking divides the K's) or off (False); None picks them by
+    batch size (`GROUPED_TOKENS`). `group_tiles` (BT, BN, num_warps) overrides their tiles."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
+    gt = _grouped_tiles(t, topk, bank, grouped) if tiles is None or grouped else None
+    if gt is not None and r > 0:
+        if group_tiles is not None:
+            gt = (group_tiles[0], group_tiles[1], gt[2], gt[3], group_tiles[2])
+        return _fused_grouped(x, bank, topk_ids, topk_weights, _ACT[activation], expert_map,
+                              gt, unroll)
     dot = _DOT.get(x.dtype, 0)
     bm, bn, bk, warps = tiles or _tiles(t, topk, bank, dot)
     if bm == 1 and (h % bk or inter % bk):
