@@ -252,6 +252,14 @@ def _grouped_tiles(tokens: int, topk: int, bank: ExpertBank,
     return bt, 4, bk13, bk2, 1
 
 
+def _group_unroll(unroll: int | None, bn: int, k: int, bk: int) -> int:
+    """K-loop unroll of the grouped kernels: programs of a few rows hold few bytes per chunk,
+    so (as for the per-route GEMV, `_unroll`) the chunks' loads go out together."""
+    if unroll is not None:
+        return unroll
+    return min(8, k // bk) if bn <= 4 else 1
+
+
 def _fused_grouped(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor, act: int, expert_map: torch.Tensor | None,
                    tiles: tuple[int, int, int, int, int], unroll: int | None) -> torch.Tensor:
@@ -265,8 +273,8 @@ def _fused_grouped(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         x, weight_args(bank.w13), weight_args(bank.w2),
         (format_id(bank.w13), format_id(bank.w2)), bank.scales.contiguous(), topk_ids,
         topk_weights.reshape(-1).contiguous(), expert_map, y, act, inter,
-        (bt, bn, bk13, bk2, warps),
-        (_unroll(unroll, 1, bn, h, bk13), _unroll(unroll, 1, bn, inter, bk2)))
+        (bt, bn, bk13, bk2, warps), (_group_unroll(unroll, bn, h, bk13),
+                                     _group_unroll(unroll, bn, inter, bk2)))
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                    num_warps=4)
