@@ -125,8 +125,7 @@ def test_grouped_matches_reference_interpreter(f13, f2, tokens, hot, act, use_ma
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("f13,f2", [("Q4_K", "Q4_K"), ("nvfp4", "nvfp4"), ("Q4_K", "Q6_K"),
-                                    ("Q8_0", "Q8_0"), ("mxfp4", "mxfp4")])
+@pytest.mark.parametrize("f13,f2", [("nvfp4", "nvfp4"), ("Q4_K", "Q6_K")])
 def test_grouped_matches_reference_cuda(f13, f2):
     """Batch 1, 4, 16; uniform routing, 12 hot experts with a map, 9 hot experts without."""
     gen = torch.Generator().manual_seed(len(f13) * 10 + len(f2))
@@ -199,7 +198,7 @@ def _bench_tokens(bank: ExpertBank, fmt: str, t: int, time_call) -> None:
     for name, kw in variants:
         try:
             _, g = time_call(lambda kw=kw: fused_moe_triton(x, bank, ids, w, "silu", emap, **kw))
-            print(f"moe {fmt:6s} T={t:2d} {name:14s} {g * 1e3:8.1f} us {mb / g / 1e3:7.0f} GB/s"
+            print(f"moe {fmt:6s} T={t:2d} {name:14s} {g * 1e3:8.1f} us {mb / g:7.0f} GB/s"
                   f" ({mb:.1f} MB distinct)", flush=True)
         except Exception as exc:  # noqa: BLE001 - one failing tile must not stop the rest
             print(f"moe {fmt} T={t} {name}: {type(exc).__name__}: {exc}", flush=True)

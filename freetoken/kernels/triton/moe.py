@@ -14,8 +14,9 @@ block b is route b, whose slot is topk_ids[b] itself (or expert_map[topk_ids[b]]
 prepares the routes without a map, one gather with it.
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
-From 2 to 16 tokens (`GROUPED_TOKENS`) `moe_grouped.py` takes the experts: routes grouped by
-slot in one small kernel, each group's expert rows decoded once for all of its tokens.
+`moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows decoded
+once for all of its tokens) runs on request only (`grouped=True`): measured slower, see
+`GROUPED_TOKENS`.
 """
 
 from __future__ import annotations
@@ -232,17 +233,23 @@ def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
     return min(8, k // bk) if bm == 1 and bn <= 2 else 1
 
 
-# Tokens per step at which the grouped kernels (moe_grouped.py) replace the per-route GEMV: at
-# one token the k routes are k distinct experts, nothing to share.
-GROUPED_TOKENS = (2, 16)
+# Tokens per step at which the grouped kernels (moe_grouped.py) replace the per-route GEMV by
+# default; None = never (they run with grouped=True only). Measured on the H200 (Q4_K, 128
+# experts, 2048 x 768, top-8, graph-replayed us per layer): 4 tokens per-route 144, grouped
+# BT=2 BN=2 330, BT=2 BN=4 345 (322 rolled), BT=4 BN=4 750; 16 tokens per-route 474, grouped
+# BT=2 BN=4 1113, BT=4 BN=4 2339 (1564 rolled). Time grows with BT, not with the bytes read:
+# the padded fp32 broadcast FMAs over [BT, BN, BK] bound these kernels, not HBM.
+GROUPED_TOKENS: tuple[int, int] | None = None
 
 
 def _grouped_tiles(tokens: int, topk: int, bank: ExpertBank,
                    grouped: bool | None) -> tuple[int, int, int, int, int] | None:
     """(BT, BN, BK gate/up, BK down, num_warps) of the grouped kernels, or None for the other
     paths: off (`grouped=False`, or by size), too many routes, or a K no GEMV chunk divides."""
-    lo, hi = GROUPED_TOKENS
-    if grouped is False or (grouped is None and not lo <= tokens <= hi):
+    if grouped is False:
+        return None
+    if grouped is None and (GROUPED_TOKENS is None
+                            or not GROUPED_TOKENS[0] <= tokens <= GROUPED_TOKENS[1]):
         return None
     bk13 = gemv_bk(format_id(bank.w13), bank.hidden)
     bk2 = gemv_bk(format_id(bank.w2), bank.intermediate)
@@ -293,7 +300,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     interpreter use wide row blocks: fewer programs to interpret); `unroll` the GEMV's K-loop
     unroll (`_unroll`; 1 = rolled, for A/B measurements). `grouped` forces the grouped decode
     kernels on (True, where their chunking divides the K's) or off (False); None picks them by
-    batch size (`GROUPED_TOKENS`). `group_tiles` (BT, BN, num_warps) overrides their tiles."""
+    batch size (`GROUPED_TOKENS`; today never). `group_tiles` (BT, BN, num_warps) overrides
+    their tiles."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape

@@ -14,6 +14,11 @@ then `moe._sum_routes_kernel` sums each token's k rows (fp32, deterministic).
 The dot products are fp32 broadcast FMAs over [BT, BN, BK] (`multi_dot`, the GEMV's
 block-scale association of `gemv.py` with a token axis in front): at a few tokens per expert a
 tensor-core tile would be mostly padding.
+Status: correct (tests/kernels/test_triton_moe_grouped.py) but measured 2-5x slower than the
+per-route GEMV on the H200 (numbers at `moe.GROUPED_TOKENS`), so `fused_moe_triton` runs it on
+request only (`grouped=True`). Its time grows with BT, not with the bytes: the padded fp32
+FMAs over [BT, BN, BK] (most groups hold 1-2 routes) bound it, as the decode arithmetic per
+weight bounds the per-route GEMV at 16 tokens.
 """
 
 from __future__ import annotations
