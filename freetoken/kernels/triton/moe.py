@@ -27,22 +27,12 @@ import triton.language as tl
 
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
-from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, grouped_expert_kernels
+from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, glu, grouped_expert_kernels
 from freetoken.kernels.triton.quant import decode_tile, format_id
 from freetoken.kernels.triton.tiles import fast_tile, has_fast_tile
 from freetoken.moe.banks import ExpertBank
 
 _ACT = {"silu": 0, "gelu_tanh": 1}
-
-
-@triton.jit
-def _glu(g, u, ACT: tl.constexpr):
-    if ACT == 0:
-        a = g * tl.sigmoid(g) * u
-    else:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u
-    return a
 
 
 @triton.jit
@@ -107,7 +97,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
             acc_g = _dot_acc(acc_g, x, g, DOT)
             acc_u = _dot_acc(acc_u, x, u, DOT)
     s = bank_s_ptr + slot * 4
-    a = _glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
+    a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
     tl.store(out, a, mask=r_ok[:, None] & n_ok[None, :])
 

@@ -160,7 +160,8 @@ def _group_routes(grp_slot_ptr, grp_cnt_ptr, grp_routes_ptr, BT: tl.constexpr):
 
 # -- the two expert kernels -----------------------------------------------------------------------
 @triton.jit
-def _glu(g, u, ACT: tl.constexpr):
+def glu(g, u, ACT: tl.constexpr):
+    """The experts' GLU in fp32 (ACT 0: silu, 1: gelu_tanh), shared by moe.py's kernels."""
     if ACT == 0:
         a = g * tl.sigmoid(g) * u
     else:  # gelu, tanh approximation; tanh(z) = 2 sigmoid(2z) - 1
@@ -192,7 +193,7 @@ def _gate_up_grouped_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, grp_slot_ptr, grp_c
         acc_g += multi_dot(FMT, wg, sg, x_rows, r_ok, k0, n_ok, BK)
         acc_u += multi_dot(FMT, wu, su, x_rows, r_ok, k0, n_ok, BK)
     s = bank_s_ptr + slot * 4
-    a = _glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
+    a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
     tl.store(out, a, mask=r_ok[:, None] & n_ok[None, :])
 
