@@ -46,6 +46,9 @@ class ForwardContext:
     seq_lens_list: list[int] = field(default_factory=list)
     state_slots_list: list[int] = field(default_factory=list)
     max_seqlen_q: int = 0  # longest new-token run of one sequence; 0 = unknown (use T)
+    # Values every layer of one step would compute alike (the CPU decode attention's masks),
+    # made by the first layer that needs them.
+    memo: dict = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:

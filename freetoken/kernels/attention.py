@@ -14,6 +14,7 @@ oracle of their tests.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from freetoken.engine.context import ForwardContext
 
@@ -77,6 +78,8 @@ def paged_attention(
         return paged_attention_triton(q, k, v, cache, ctx, scale=scale, window=window,
                                       softcap=softcap)
     write_kv(cache, k, v, ctx.slot_mapping)
+    if ctx.is_decode:
+        return _decode(q, cache, ctx, scale, window, softcap)
     cu, lens, _ = ctx.host_lists()
     out = torch.empty_like(q)
     for b in range(len(lens)):
@@ -89,6 +92,37 @@ def paged_attention(
         mask = _mask(ctx.positions[lo:hi], lens[b], window)
         out[lo:hi] = _attend(q[lo:hi], kk, vv, mask, scale, softcap).to(q.dtype)
     return out
+
+
+def _decode(q, cache, ctx: ForwardContext, scale: float, window: int | None,
+            softcap: float | None) -> torch.Tensor:
+    """One query token per sequence, all sequences at once (no loop over them): each
+    sequence's pages gathered to the batch's longest length, the tail masked."""
+    _, lens, _ = ctx.host_lists()
+    B, ps, (n_kv, d) = len(lens), cache.shape[2], cache.shape[-2:]
+    n_pages = -(-max(lens) // ps)
+    kv = cache[:, ctx.page_table[:, :n_pages].long()]  # [2, B, n_pages, ps, n_kv, d]
+    kv = kv.reshape(2, B, n_pages * ps, n_kv, d).transpose(2, 3)  # [2, B, n_kv, L, d]
+    key = ("decode_mask", window)
+    mask = ctx.memo.get(key)
+    if mask is None:  # [B, 1, 1, L]: positions 0 .. len - 1, within the window
+        j = torch.arange(n_pages * ps)
+        seq = torch.tensor(lens)[:, None]
+        ok = j[None, :] < seq
+        if window is not None:
+            ok &= seq - 1 - j[None, :] < window
+        mask = ctx.memo[key] = ok[:, None, None, :]
+    qb = q.reshape(B, q.shape[1], 1, d).float()  # [B, Hq, 1, d]
+    k, v = kv[0].float(), kv[1].float()
+    if softcap is None:
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                           enable_gqa=q.shape[1] != n_kv)
+    else:
+        rep = q.shape[1] // n_kv
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = torch.tanh(qb @ k.transpose(-1, -2) * (scale / softcap)) * softcap
+        o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    return o.reshape(q.shape).to(q.dtype)
 
 
 def paged_attention_triton(
