@@ -1,11 +1,14 @@
-"""Decode tokens/s of FreeToken next to llama.cpp on the same GGUF, in the same run.
+"""Decode and prompt tokens/s of FreeToken next to llama.cpp on the same GGUF, in the same run.
 
 For each real model: the same prompt, greedy, the same thread count. Decode speed is measured
 the same way for both: time(prompt + 1 + N tokens) - time(prompt + 1 token), divided by N, so
-prefill and start-up cancel out. llama.cpp comes from llama-cpp-python (skipped, with a note,
-where it is not installed).
+prefill and start-up cancel out. Prompt processing: the same `--prompt-len` token ids (the
+prompt's tokens repeated) through each, one token generated, best of `--repeat` runs, prompt
+tokens / seconds. llama.cpp comes from llama-cpp-python (skipped, with a note, where it is not
+installed).
 
     python benchmarks/bench_dense_decode.py [--tokens 16] [--threads 1] [--models a,b]
+        [--prompt-len 512 (0: decode only)] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -31,34 +34,51 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def freetoken_decode(path, n: int) -> float:
+def long_prompt(ids: list[int], n: int) -> list[int]:
+    """n token ids: the prompt's, repeated."""
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def freetoken_speed(path, n: int, prompt_len: int, repeat: int) -> tuple[float, float | None]:
+    """(decode tokens/s, prompt tokens/s or None)."""
     engine = Engine(EngineConfig(model=str(path), show_progress=False, cache_type="naive"))
     ids = engine.tokenizer.encode(PROMPT)
 
-    def run(k: int) -> None:
+    def run(k: int, prompt: list[int] = ids) -> None:
         rid = f"bench-{k}-{time.monotonic_ns()}"
-        engine.add_request(rid, ids, SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=k, temperature=0,
+                                                       ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
 
     run(2)  # warm-up
-    return n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+    decode = n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+    if not prompt_len:
+        return decode, None
+    long = long_prompt(ids, prompt_len)
+    return decode, prompt_len / min(_timed(lambda: run(1, long)) for _ in range(repeat))
 
 
-def llamacpp_decode(path, n: int, threads: int) -> float | None:
+def llamacpp_speed(path, n: int, threads: int, prompt_len: int, repeat: int
+                   ) -> tuple[float, float | None] | None:
     try:
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    llm = Llama(str(path), n_threads=threads, n_threads_batch=threads,
+                n_ctx=max(512, prompt_len + 64), n_batch=max(512, prompt_len), verbose=False)
     no_eos = {llm.token_eos(): float("-inf")}
 
-    def run(k: int) -> None:
+    def run(k: int, prompt=PROMPT) -> None:
         llm.reset()  # no prompt cache between runs
-        llm.create_completion(PROMPT, max_tokens=k, temperature=0, logit_bias=no_eos)
+        llm.create_completion(prompt, max_tokens=k, temperature=0, logit_bias=no_eos)
 
     run(2)
-    return n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+    decode = n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+    if not prompt_len:
+        return decode, None
+    long = long_prompt(llm.tokenize(PROMPT.encode(), add_bos=False), prompt_len)
+    return decode, prompt_len / min(_timed(lambda: run(1, long)) for _ in range(repeat))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,17 +86,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"decode tokens/s, {args.tokens} tokens after {PROMPT!r}, {args.threads} thread(s)")
-    print(f"{'model':32} {'FreeToken':>10} {'llama.cpp':>10} {'ratio':>7}")
+    print(f"tokens/s: decode = {args.tokens} tokens after {PROMPT!r}; prompt = a "
+          f"{args.prompt_len}-token prompt (best of {args.repeat}); {args.threads} thread(s)")
+    cols = ("decode", "prompt") if args.prompt_len else ("decode",)
+    head = "".join(f" {c + ' FT':>11} {c + ' llama':>13} {'ratio':>6}" for c in cols)
+    print(f"{'model':30}{head}")
     for name in args.models.split(","):
         path = assets.resolve_model(name)
-        ours = freetoken_decode(path, args.tokens)
-        ref = llamacpp_decode(path, args.tokens, args.threads)
-        ref_s = f"{ref:10.2f}" if ref else f"{'n/a':>10}"
-        ratio = f"{ours / ref:7.3f}" if ref else f"{'':>7}"
-        print(f"{name:32} {ours:10.2f} {ref_s} {ratio}", flush=True)
+        ours = freetoken_speed(path, args.tokens, args.prompt_len, args.repeat)
+        ref = llamacpp_speed(path, args.tokens, args.threads, args.prompt_len, args.repeat)
+        row = ""
+        for i in range(len(cols)):
+            r = ref[i] if ref else None
+            row += f" {ours[i]:11.2f} " + (f"{r:13.2f} {ours[i] / r:6.3f}" if r else
+                                           f"{'n/a':>13} {'':>6}")
+        print(f"{name:30}{row}", flush=True)
     return 0
 
 

@@ -49,8 +49,10 @@ def sampling_params(args: argparse.Namespace, max_tokens: int | None = None) -> 
     )
 
 
-def stream(engine, prompt_ids: list[int], params: SamplingParams, out: TextIO) -> tuple[str, int]:
-    """Run one request, writing text as it comes; returns (text, number of tokens)."""
+def stream(engine, prompt_ids: list[int], params: SamplingParams, out: TextIO,
+           first_token: list[float] | None = None) -> tuple[str, int]:
+    """Run one request, writing text as it comes; returns (text, number of tokens).
+    `first_token`, when given, gets the perf_counter time at which the first token came."""
     rid = f"cli-{time.monotonic_ns()}"
     engine.add_request(rid, prompt_ids, params)
     text, n = "", 0
@@ -58,6 +60,8 @@ def stream(engine, prompt_ids: list[int], params: SamplingParams, out: TextIO) -
         for o in engine.step():
             if o.request_id != rid:
                 continue
+            if first_token is not None and not first_token:
+                first_token.append(time.perf_counter())
             out.write(o.new_text)
             out.flush()
             text, n = o.text, len(o.output_token_ids)
@@ -82,10 +86,21 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode_chat(msgs)
     else:
         ids = tok.encode(args.prompt)
+    first: list[float] = []
     t0 = time.perf_counter()
-    _, n = stream(engine, ids, sampling_params(args), sys.stdout)
-    dt = time.perf_counter() - t0
+    _, n = stream(engine, ids, sampling_params(args), sys.stdout, first)
+    t1 = time.perf_counter()
     sys.stdout.write("\n")
-    print(f"[{len(ids)} prompt tokens, {n} generated in {dt:.1f} s, {n / dt:.1f} tokens/s]",
-          file=sys.stderr)
+    print(speed_line(len(ids), n, t0, first[0] if first else t1, t1), file=sys.stderr)
     return 0
+
+
+def speed_line(prompt: int, generated: int, t0: float, t_first: float, t1: float) -> str:
+    """Prompt speed (to the first token) and decode speed (the tokens after it)."""
+    pre = t_first - t0
+    line = f"[prompt: {prompt} tokens in {pre:.2f} s, {prompt / max(pre, 1e-9):.1f} tokens/s"
+    if generated > 1:
+        dec = t1 - t_first
+        line += f"; decode: {generated - 1} tokens in {dec:.2f} s, " \
+                f"{(generated - 1) / max(dec, 1e-9):.1f} tokens/s"
+    return line + "]"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 import pytest
@@ -13,7 +14,11 @@ from freetoken import cli
 def test_generate_streams_the_chat_answer(capsys):
     rc = cli.main(["generate", "Say hi.", "--max-tokens", "3", "--no-show-progress"])
     out, err = capsys.readouterr()
-    assert rc == 0 and out.strip() and "generated in" in err
+    assert rc == 0 and out.strip()
+    line = re.search(r"\[prompt: (\d+) tokens in [\d.]+ s, ([\d.]+) tokens/s; "
+                     r"decode: 2 tokens in [\d.]+ s, ([\d.]+) tokens/s\]", err)
+    assert line, err  # the speed line: 3 tokens = the first (after the prompt) + 2 decoded
+    assert int(line[1]) > 3 and float(line[2]) > 0 and float(line[3]) > 0
 
 
 def test_generate_plain_and_bad_flags(capsys):
