@@ -68,6 +68,12 @@ NB_MODULE(_cpu_moe, m) {
              int threads) { ex.dot(w, e, ptr<const float>(x), T, ptr<float>(out), threads); },
           nb::call_guard<nb::gil_scoped_release>())
       .def(
+          "dequant",
+          [](Executor& ex, const Bank& w, int64_t e, int64_t r0, int64_t r1, uintptr_t out) {
+            ex.dequant(w, e, r0, r1, ptr<float>(out));
+          },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
           "time_dot",
           [](Executor& ex, const Bank& w, int64_t e, uintptr_t x, int64_t iters, int threads) {
             return ex.time_dot(w, e, ptr<const float>(x), iters, threads);
@@ -116,8 +122,10 @@ NB_MODULE(_cpu_moe, m) {
     return as_bytes(v);
   });
   nb::dict fmts;
+  static_assert(ft::kNumFmt == 15, "a name per ft::Fmt");
   const char* names[] = {"f32", "f16", "bf16", "nvfp4", "fp8_block", "mxfp4",
-                         "Q4_0", "Q8_0", "Q4_K", "Q6_K"};
+                         "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "Q5_K",
+                         "MXFP4"};  // "MXFP4": GGUF's blocks; "mxfp4": the HF layout
   for (int i = 0; i < ft::kNumFmt; ++i) fmts[names[i]] = i;
   m.attr("FORMATS") = fmts;
 }

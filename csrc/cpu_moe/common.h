@@ -14,9 +14,11 @@ namespace ft {
 // ============================================================================
 
 // Weight format of one bank. GGUF types are split into their own entries so that the
-// kernel table can be indexed directly.
+// kernel table can be indexed directly. MXFP4 is the HF layout (codes and E8M0 scales in two
+// tensors); GGUF_MXFP4 is ggml's (17-byte blocks: E8M0 byte, then 16 bytes of codes).
 enum class Fmt : int {
-  F32 = 0, F16, BF16, NVFP4, FP8_BLOCK, MXFP4, Q4_0, Q8_0, Q4_K, Q6_K, COUNT
+  F32 = 0, F16, BF16, NVFP4, FP8_BLOCK, MXFP4, Q4_0, Q8_0, Q4_K, Q6_K,
+  Q4_1, Q5_0, Q5_1, Q5_K, GGUF_MXFP4, COUNT
 };
 constexpr int kNumFmt = static_cast<int>(Fmt::COUNT);
 
@@ -60,11 +62,15 @@ using DotFn = void (*)(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                        const ReadNext& next);
 using ActBytesFn = int64_t (*)(int64_t K);
 using PrepFn = void (*)(const float* x, int64_t K, uint8_t* out);
+// Row r of expert e -> fp32 out[K], bit for bit gguf-py's dequantize (the same fp32 products and
+// sums in the same order; see dequant_rows.h).
+using DequantFn = void (*)(const Bank& w, int64_t e, int64_t r, float* out);
 
 struct FormatKernels {
   ActBytesFn act_bytes = nullptr;  // bytes of one token's prepared activation
   PrepFn prep = nullptr;           // fp32 [K] -> prepared activation
   DotFn dot = nullptr;
+  DequantFn dequant = nullptr;
 };
 
 struct Kernels {
@@ -350,5 +356,17 @@ constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
 inline float e8m0_to_f32(uint8_t b) {  // 2^(b - 127); 0xff is NaN
   return b == 0xff ? NAN : std::ldexp(1.0f, static_cast<int>(b) - 127);
 }
+
+// ggml's ggml_e8m0_to_fp32_half: 2^(b - 128) (the scale of GGUF MXFP4's doubled E2M1 table),
+// subnormal for b < 2, and 2^127 (not NaN) for b = 255.
+inline float e8m0_half_to_f32(uint8_t b) {
+  return f32_from_bits(b < 2 ? 0x00200000u << b : static_cast<uint32_t>(b - 1) << 23);
+}
+
+// GGUF MXFP4 codes -> ggml's int8 values (twice the E2M1 values).
+constexpr int8_t kMxfp4Int[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// A little-endian fp16 at p (GGUF block scales are not 2-byte aligned).
+inline float f16_at(const uint8_t* p) { return f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
 }  // namespace ft

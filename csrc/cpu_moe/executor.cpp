@@ -385,6 +385,26 @@ void Executor::dot(const Bank& w, int64_t e, const float* x, int64_t T, float* o
   }
 }
 
+// Work items of about kDequantBytes of fp32 output each (one row at least), in contiguous
+// ranges per thread (run_phases) so each thread streams one run of rows.
+constexpr int64_t kDequantBytes = 64 << 10;
+
+void Executor::dequant(const Bank& w, int64_t e, int64_t r0, int64_t r1, float* out) {
+  const DequantFn f = k_->fmt[static_cast<int>(w.fmt)].dequant;
+  if (!f) throw std::invalid_argument(std::string("no row decoder for this format in tier ") + k_->name);
+  const int64_t per = std::max<int64_t>(1, kDequantBytes / (4 * w.K));
+  const int64_t n = (r1 - r0 + per - 1) / per;
+  auto run = [&](int64_t i, int) {
+    for (int64_t r = r0 + i * per; r < std::min(r1, r0 + (i + 1) * per); ++r)
+      f(w, e, r, out + (r - r0) * w.K);
+  };
+  if (n <= 1 || pool_.size() == 1) {
+    for (int64_t i = 0; i < n; ++i) run(i, 0);
+  } else {
+    pool_.run_phases(&n, 1, run);
+  }
+}
+
 double Executor::time_forward(LayerArgs a, const int32_t* ids, const float* route,
                               int64_t iters) {
   const auto t0 = Clock::now();

@@ -101,6 +101,9 @@ class Executor {
   // out[t, n] = x[t] . W[e, n] for all rows n of expert e (the tier's activation prep
   // included); rows split over `threads` threads (<= num_threads).
   void dot(const Bank& w, int64_t e, const float* x, int64_t T, float* out, int threads);
+  // Rows [r0, r1) of expert e as fp32 out[r1 - r0, K] (the prefill path's decode-then-GEMM),
+  // bit for bit gguf-py's dequantize; split over the pool's threads.
+  void dequant(const Bank& w, int64_t e, int64_t r0, int64_t r1, float* out);
   // The tier's prepared activation of one token for a format (bytes returned in `out`).
   std::vector<uint8_t> prep(Fmt fmt, const float* x, int64_t K) const;
   // Seconds for `iters` forward calls; call i routes by ids[i] / route[i] ([iters, T, k]).

@@ -3,8 +3,8 @@
 // Include inside a per-tier namespace, after common.h; call make_generic_table().
 //
 // Float formats (f32, f16, bf16, nvfp4 W4A16, fp8_block, mxfp4) take fp32 activations and
-// decode a row segment of up to 256 weights to fp32 first. GGUF integer formats (Q4_0, Q8_0,
-// Q4_K, Q6_K) take int8 activations in the Q8_32 layout (blocks of 32, like llama.cpp's q8_0)
+// decode a row segment of up to 256 weights to fp32 first. GGUF integer formats (Q4_0, Q4_1,
+// Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4) take int8 activations in the Q8_32 layout (blocks of 32, like llama.cpp's q8_0)
 // and decode a block to int8 values with per-16 scales and per-32 mins.
 // Every row is reduced in the same fixed order whatever r0 / nrows / ntok are.
 
@@ -226,6 +226,57 @@ static void decode_q6_k(const uint8_t* b, int8_t* q, float* sw, float* mw) {
   }
 }
 
+// Q4_1 (fp16 d, fp16 m, 16 bytes of nibbles as Q4_0): value = d * q + m.
+static void decode_q4_1(const uint8_t* b, int8_t* q, float* sw, float* mw) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(b[4 + j] & 15);
+    q[j + 16] = static_cast<int8_t>(b[4 + j] >> 4);
+  }
+  sw[0] = sw[1] = f16_at(b);
+  mw[0] = -f16_at(b + 2);
+}
+// The 5-bit codes of Q5_0 / Q5_1: nibbles as Q4_0 at qs, bit j of the u32 at qh the 5th bit of
+// value j; minus `off`.
+static void q5_codes(const uint8_t* qh, const uint8_t* qs, int off, int8_t* q) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(((qs[j] & 15) | (((h >> j) & 1) << 4)) - off);
+    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) - off);
+  }
+}
+// Q5_0 (fp16 d, qh[4], qs[16]): value = d * (q - 16).
+static void decode_q5_0(const uint8_t* b, int8_t* q, float* sw, float* mw) {
+  q5_codes(b + 2, b + 6, 16, q);
+  sw[0] = sw[1] = f16_at(b);
+  mw[0] = 0.0f;
+}
+// Q5_1 (fp16 d, fp16 m, qh[4], qs[16]): value = d * q + m.
+static void decode_q5_1(const uint8_t* b, int8_t* q, float* sw, float* mw) {
+  q5_codes(b + 4, b + 8, 0, q);
+  sw[0] = sw[1] = f16_at(b);
+  mw[0] = -f16_at(b + 2);
+}
+// Q5_K (Q4_K's header, qh[32], qs[128]): Q4_K's nibbles with bit s of qh[l] the 5th bit of
+// value l of sub-block s.
+static void decode_q5_k(const uint8_t* b, int8_t* q, float* sw, float* mw) {
+  uint8_t hdr[144];
+  std::memcpy(hdr, b, 16);
+  std::memcpy(hdr + 16, b + 48, 128);
+  decode_q4_k(hdr, q, sw, mw);
+  for (int s = 0; s < 8; ++s)
+    for (int l = 0; l < 32; ++l) q[32 * s + l] = static_cast<int8_t>(q[32 * s + l] | (((b[16 + l] >> s) & 1) << 4));
+}
+// GGUF MXFP4 (E8M0 e, 16 bytes of codes as Q4_0): value = kMxfp4Int[code] * 2^(e - 128).
+static void decode_gguf_mxfp4(const uint8_t* b, int8_t* q, float* sw, float* mw) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = kMxfp4Int[b[1 + j] & 15];
+    q[j + 16] = kMxfp4Int[b[1 + j] >> 4];
+  }
+  sw[0] = sw[1] = e8m0_half_to_f32(b[0]);
+  mw[0] = 0.0f;
+}
+
 using BlockDecoder = void (*)(const uint8_t*, int8_t*, float*, float*);
 
 static inline int32_t idot16(const int8_t* a, const int8_t* b) {
@@ -267,6 +318,8 @@ static void dot_q8(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
   }
 }
 
+#include "dequant_rows.h"
+
 // ---------------------------------------------------------------------------
 // streaming read (portable fallback) and the table
 // ---------------------------------------------------------------------------
@@ -306,6 +359,12 @@ static Kernels make_generic_table(const char* name) {
   set(Fmt::Q4_0, q8_32_bytes, q8_32_prep, dot_q8<decode_q4_0, 32, 18>);
   set(Fmt::Q4_K, q8_32_bytes, q8_32_prep, dot_q8<decode_q4_k, 256, 144>);
   set(Fmt::Q6_K, q8_32_bytes, q8_32_prep, dot_q8<decode_q6_k, 256, 210>);
+  set(Fmt::Q4_1, q8_32_bytes, q8_32_prep, dot_q8<decode_q4_1, 32, 20>);
+  set(Fmt::Q5_0, q8_32_bytes, q8_32_prep, dot_q8<decode_q5_0, 32, 22>);
+  set(Fmt::Q5_1, q8_32_bytes, q8_32_prep, dot_q8<decode_q5_1, 32, 24>);
+  set(Fmt::Q5_K, q8_32_bytes, q8_32_prep, dot_q8<decode_q5_k, 256, 176>);
+  set(Fmt::GGUF_MXFP4, q8_32_bytes, q8_32_prep, dot_q8<decode_gguf_mxfp4, 32, 17>);
+  set_dequant(k);
   k.stream_read = stream_read_generic;
   k.glu = glu_generic;
   return k;

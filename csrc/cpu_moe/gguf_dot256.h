@@ -1,4 +1,5 @@
-// GGUF Q4_K / Q6_K / Q8_0 / Q4_0 x int8 (the Q8_32 activations of common.h), 256-bit.
+// GGUF Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / MXFP4 x int8 (the Q8_32
+// activations of common.h), 256-bit.
 // Dp::dp(acc, u8, s8) adds the 4-byte dot products of unsigned u and signed s to acc's int32
 // lanes: the VEX vpdpbusd in the avx2_vnni tier (AVX-VNNI), the EVEX one on ymm in the
 // avx512_vnni tier, vpmaddubsw + vpmaddwd in the tiers without VNNI. Include inside the tier's
@@ -17,6 +18,11 @@
 //   (they are in [-127, 127], so negating them cannot overflow; w = -128 gives 128 x -a).
 // - Q4_0 (fp16 d, 16 bytes: value j in the low nibble of byte j, value j + 16 in its high
 //   nibble, w = q - 8): the nibbles are the unsigned operand and -8 * sum(a) seeds lane 0.
+// - Q5_0 / Q5_1: Q4_0's nibbles with bit j of a u32 qh as bit 4 of value j (w = q - 16, the
+//   -16 as Q4_0's -8); Q4_1 / Q5_1: w = d * q + m, the m * da * sum(a) terms on scalar chains.
+// - Q5_K: Q4_K with bit s of qh[l] (32 bytes) as bit 4 of value l of sub-block s.
+// - MXFP4 (E8M0 e, Q4_0's nibbles, w = int[code] * 2^(e - 128), int in [-12, 12]): a vpshufb
+//   table gives int + 12 as the unsigned operand, -12 * sum(a) seeds lane 0.
 // All exact in int32 before the scales.
 #pragma once
 
@@ -81,11 +87,13 @@ static inline void q4k_factors(const uint8_t* blk, __m256& dsc, __m256& dmn) {
 
 namespace gguf256 {
 
-template <class Dp, int NT>
+// Q4_K (Q5 false) or Q5_K (Q5 true: 176-byte blocks, qh at 16, nibbles at 48).
+template <class Dp, int NT, bool Q5 = false>
 static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
                            int64_t os) {
   const int64_t nsb = K / 256;
   const __m256i m4 = _mm256_set1_epi8(0x0f), z = _mm256_setzero_si256();
+  const __m256i m10 = _mm256_set1_epi8(0x10);
   constexpr int C = kChains<NT>;
   __m256 acc[NT][C], accm[NT];
   for (int t = 0; t < NT; ++t) {
@@ -93,14 +101,22 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
     accm[t] = _mm256_setzero_ps();
   }
   for (int64_t b = 0; b < nsb; ++b) {
-    const uint8_t* blk = row + b * 144;
+    const uint8_t* blk = row + b * (Q5 ? 176 : 144);
     __m256 dsc, dmn;
     q4k_factors(blk, dsc, dmn);
     __m256i q[8];  // sub-block s: 32 values, low nibbles (s even) or high (s odd) of 32 bytes
     for (int g = 0; g < 4; ++g) {
-      const __m256i w = ld32(blk + 16 + 32 * g);
+      const __m256i w = ld32(blk + (Q5 ? 48 : 16) + 32 * g);
       q[2 * g] = _mm256_and_si256(w, m4);
       q[2 * g + 1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+    }
+    if constexpr (Q5) {  // bit s of each qh byte to bit 4 (16-bit shifts: the mask keeps bytes apart)
+      const __m256i qh = ld32(blk + 16);
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const __m256i h = s <= 4 ? _mm256_slli_epi16(qh, 4 - s) : _mm256_srli_epi16(qh, s - 4);
+        q[s] = _mm256_or_si256(q[s], _mm256_and_si256(h, m10));
+      }
     }
     for (int t = 0; t < NT; ++t) {
       const uint8_t* A = acts[t];
@@ -173,11 +189,49 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]) - 32.0f * hsum8(off[t]);
 }
 
-// Q8_0 and Q4_0: blocks of 32 values behind an fp16 d, one vector a block. Blk::kBytes is the
-// block's size, Blk::weights(blk) its prepared weights, Blk::dot<Dp>(w, a, sum) its int32 lanes
-// against one token's activations a (32 int8) with their sum.
+// Blocks of 32 values, one vector a block. Blk::kBytes is the block's size, Blk::scale(blk) its
+// fp32 scale, Blk::weights(blk) its prepared weights, Blk::dot<Dp>(w, a, sum) its int32 lanes
+// against one token's activations a (32 int8) with their sum; Blk::kMin: the block adds
+// Blk::min(blk) to every value (Q4_1, Q5_1).
+static inline float f16_scale(const uint8_t* blk) {
+  uint16_t h;
+  std::memcpy(&h, blk, 2);
+  return _cvtsh_ss(h);
+}
+// 16 bytes of codes: value j in the low nibble of byte j, j + 16 in the high one -> 32 bytes.
+static inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(c, m4));
+}
+// Q5_0 / Q5_1: the nibbles at qs with bit j of the u32 at qh as 0x10 in byte j.
+static inline __m256i q5_codes32(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+#ifdef __AVX512BW__
+  const __m256i q = nibbles32(qs);
+  return _mm256_mask_add_epi8(q, h, q, _mm256_set1_epi8(0x10));  // nibble + 0x10 = nibble | 0x10
+#else
+  // llama.cpp's bytes_from_bits_32: byte j takes byte j / 8 of h, all its bits but bit j % 8
+  // are set, so it is all ones exactly where that bit is set
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                         0x0101010101010101, 0);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(h)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  const __m256i bit = _mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1));
+  return _mm256_or_si256(nibbles32(qs), _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
+#endif
+}
+// The unsigned codes q dotted with a, minus off * sum(a) in lane 0.
+template <class Dp>
+static inline __m256i offset_dot(__m256i q, const uint8_t* a, int32_t sum, int off) {
+  return Dp::dp(_mm256_setr_epi32(-off * sum, 0, 0, 0, 0, 0, 0, 0), q, ld32(a));
+}
+
 struct Q8_0Blk {
   static constexpr int64_t kBytes = 34;
+  static constexpr bool kMin = false;
+  static float scale(const uint8_t* blk) { return f16_scale(blk); }
   struct W {
     __m256i abs, sign;
   };
@@ -194,15 +248,67 @@ struct Q8_0Blk {
 
 struct Q4_0Blk {
   static constexpr int64_t kBytes = 18;
+  static constexpr bool kMin = false;
+  static float scale(const uint8_t* blk) { return f16_scale(blk); }
   using W = __m256i;
-  static W weights(const uint8_t* blk) {
-    const __m128i m4 = _mm_set1_epi8(0x0f);
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(c, m4));
+  static W weights(const uint8_t* blk) { return nibbles32(blk + 2); }
+  template <class Dp>
+  static __m256i dot(const W& q, const uint8_t* a, int32_t sum) {
+    return offset_dot<Dp>(q, a, sum, 8);
+  }
+};
+
+struct Q4_1Blk {
+  static constexpr int64_t kBytes = 20;
+  static constexpr bool kMin = true;
+  static float scale(const uint8_t* blk) { return f16_scale(blk); }
+  static float min(const uint8_t* blk) { return f16_scale(blk + 2); }
+  using W = __m256i;
+  static W weights(const uint8_t* blk) { return nibbles32(blk + 4); }
+  template <class Dp>
+  static __m256i dot(const W& q, const uint8_t* a, int32_t /*sum*/) {
+    return Dp::dp(_mm256_setzero_si256(), q, ld32(a));
+  }
+};
+
+struct Q5_0Blk {
+  static constexpr int64_t kBytes = 22;
+  static constexpr bool kMin = false;
+  static float scale(const uint8_t* blk) { return f16_scale(blk); }
+  using W = __m256i;
+  static W weights(const uint8_t* blk) { return q5_codes32(blk + 2, blk + 6); }
+  template <class Dp>
+  static __m256i dot(const W& q, const uint8_t* a, int32_t sum) {
+    return offset_dot<Dp>(q, a, sum, 16);
+  }
+};
+
+struct Q5_1Blk {
+  static constexpr int64_t kBytes = 24;
+  static constexpr bool kMin = true;
+  static float scale(const uint8_t* blk) { return f16_scale(blk); }
+  static float min(const uint8_t* blk) { return f16_scale(blk + 2); }
+  using W = __m256i;
+  static W weights(const uint8_t* blk) { return q5_codes32(blk + 4, blk + 8); }
+  template <class Dp>
+  static __m256i dot(const W& q, const uint8_t* a, int32_t /*sum*/) {
+    return Dp::dp(_mm256_setzero_si256(), q, ld32(a));
+  }
+};
+
+struct Mxfp4Blk {
+  static constexpr int64_t kBytes = 17;
+  static constexpr bool kMin = false;
+  static float scale(const uint8_t* blk) { return e8m0_half_to_f32(blk[0]); }
+  using W = __m256i;
+  static W weights(const uint8_t* blk) {  // kMxfp4Int[code] + 12
+    const __m256i lut = _mm256_broadcastsi128_si256(
+        _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+    return _mm256_shuffle_epi8(lut, nibbles32(blk + 1));
   }
   template <class Dp>
   static __m256i dot(const W& q, const uint8_t* a, int32_t sum) {
-    return Dp::dp(_mm256_setr_epi32(-8 * sum, 0, 0, 0, 0, 0, 0, 0), q, ld32(a));
+    return offset_dot<Dp>(q, a, sum, 12);
   }
 };
 
@@ -211,6 +317,7 @@ static inline void block32_row(const uint8_t* row, int64_t K, const uint8_t* con
                                float* res, int64_t os) {
   constexpr int C = kChains<NT>;
   __m256 acc[NT][C];
+  float accm[NT][C] = {};  // Blk::kMin: the sum of min * da * sum(a), on chains as acc
   for (int t = 0; t < NT; ++t)
     for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
   const int64_t nb = K / 32;
@@ -222,20 +329,23 @@ static inline void block32_row(const uint8_t* row, int64_t K, const uint8_t* con
       const int64_t b = b0 + c;
       if (b >= nb) break;
       const uint8_t* blk = row + b * Blk::kBytes;
-      uint16_t h;
-      std::memcpy(&h, blk, 2);
-      const float dw = _cvtsh_ss(h);
+      const float dw = Blk::scale(blk);
       const typename Blk::W w = Blk::weights(blk);
       for (int t = 0; t < NT; ++t) {
         const uint8_t* A = acts[t];
         const int32_t sum = reinterpret_cast<const int32_t*>(A + K + K / 8)[b];
-        const float f = dw * reinterpret_cast<const float*>(A + K)[b];
+        const float da = reinterpret_cast<const float*>(A + K)[b];
         acc[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Blk::template dot<Dp>(w, A + b * 32, sum)),
-                                    _mm256_set1_ps(f), acc[t][c]);
+                                    _mm256_set1_ps(dw * da), acc[t][c]);
+        if constexpr (Blk::kMin) accm[t][c] += Blk::min(blk) * da * static_cast<float>(sum);
       }
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = sum_chains<NT>(acc[t]);
+  for (int t = 0; t < NT; ++t) {
+    float m = 0.0f;
+    for (int c = 0; c < C; ++c) m += accm[t][c];
+    res[t * os] = sum_chains<NT>(acc[t]) + m;
+  }
 }
 template <class Dp, int NT>
 static inline void q8_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
@@ -246,6 +356,31 @@ template <class Dp, int NT>
 static inline void q4_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
                             float* res, int64_t os) {
   block32_row<Dp, Q4_0Blk, NT>(row, K, acts, res, os);
+}
+template <class Dp, int NT>
+static inline void q4_1_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                            float* res, int64_t os) {
+  block32_row<Dp, Q4_1Blk, NT>(row, K, acts, res, os);
+}
+template <class Dp, int NT>
+static inline void q5_0_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                            float* res, int64_t os) {
+  block32_row<Dp, Q5_0Blk, NT>(row, K, acts, res, os);
+}
+template <class Dp, int NT>
+static inline void q5_1_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                            float* res, int64_t os) {
+  block32_row<Dp, Q5_1Blk, NT>(row, K, acts, res, os);
+}
+template <class Dp, int NT>
+static inline void mxfp4_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                             float* res, int64_t os) {
+  block32_row<Dp, Mxfp4Blk, NT>(row, K, acts, res, os);
+}
+template <class Dp, int NT>
+static inline void q5k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
+                           int64_t os) {
+  q4k_row<Dp, NT, true>(row, K, acts, res, os);
 }
 
 #define FT_ROW(NAME, FN)                                                                        \
@@ -261,20 +396,32 @@ FT_ROW(Q4KRow, q4k_row)
 FT_ROW(Q6KRow, q6k_row)
 FT_ROW(Q8_0Row, q8_0_row)
 FT_ROW(Q4_0Row, q4_0_row)
+FT_ROW(Q4_1Row, q4_1_row)
+FT_ROW(Q5_0Row, q5_0_row)
+FT_ROW(Q5_1Row, q5_1_row)
+FT_ROW(Mxfp4Row, mxfp4_row)
+FT_ROW(Q5KRow, q5k_row)
 #undef FT_ROW
 
 // A tier's table entries for the GGUF formats: the activations by its Q8_32 quant P (Q6_K's
 // with the sums per 16 its dots take, q6k_prep) ...
 template <void (*P)(const float*, int64_t, uint8_t*)>
 static void set_preps(Kernels& t) {
-  for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K}) t.fmt[static_cast<int>(f)].prep = P;
+  for (Fmt f : {Fmt::Q4_0, Fmt::Q8_0, Fmt::Q4_K, Fmt::Q4_1, Fmt::Q5_0, Fmt::Q5_1, Fmt::Q5_K,
+                Fmt::GGUF_MXFP4})
+    t.fmt[static_cast<int>(f)].prep = P;
   t.fmt[static_cast<int>(Fmt::Q6_K)].act_bytes = q8_32s16_bytes;
   t.fmt[static_cast<int>(Fmt::Q6_K)].prep = q6k_prep<P>;
 }
 
-// ... and the four 256-bit dots with Dp.
+// ... and the 256-bit dots with Dp.
 template <class Dp>
 static void set_dots(Kernels& t) {
+  t.fmt[static_cast<int>(Fmt::Q4_1)].dot = dot_rows_by_token_groups<Q4_1Row<Dp>>;
+  t.fmt[static_cast<int>(Fmt::Q5_0)].dot = dot_rows_by_token_groups<Q5_0Row<Dp>>;
+  t.fmt[static_cast<int>(Fmt::Q5_1)].dot = dot_rows_by_token_groups<Q5_1Row<Dp>>;
+  t.fmt[static_cast<int>(Fmt::Q5_K)].dot = dot_rows_by_token_groups<Q5KRow<Dp>>;
+  t.fmt[static_cast<int>(Fmt::GGUF_MXFP4)].dot = dot_rows_by_token_groups<Mxfp4Row<Dp>>;
   t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<Q4KRow<Dp>>;
   t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<Q6KRow<Dp>>;
   t.fmt[static_cast<int>(Fmt::Q8_0)].dot = dot_rows_by_token_groups<Q8_0Row<Dp>>;

@@ -224,8 +224,8 @@ const Kernels& kernels_avx2_vnni() {
   static const Kernels k = [] {
     Kernels t = kernels_avx2();
     t.name = "avx2_vnni";
-    t.fmt[static_cast<int>(Fmt::NVFP4)] =
-        FormatKernels{nvfp4_q8x8_bytes, avx2_vnni_tier::prep_nvfp4_q8, avx2_vnni_tier::dot_nvfp4};
+    t.fmt[static_cast<int>(Fmt::NVFP4)] =  // the W4A8 dot; the row decoder stays
+        FormatKernels{nvfp4_q8x8_bytes, avx2_vnni_tier::prep_nvfp4_q8, avx2_vnni_tier::dot_nvfp4, t.fmt[static_cast<int>(Fmt::NVFP4)].dequant};
     avx2_vnni_tier::gguf256::set_dots<avx2_vnni_tier::VexDp>(t);
     return t;
   }();

@@ -207,18 +207,15 @@ const Kernels& kernels_avx512_vnni() {
   auto make = [](DotFn dot) {
     Kernels t = kernels_avx512();
     t.name = "avx512_vnni";
-    t.fmt[static_cast<int>(Fmt::NVFP4)] =
-        FormatKernels{nvfp4_q8x16_bytes, avx512_vnni_tier::prep_nvfp4_q8, dot};
+    t.fmt[static_cast<int>(Fmt::NVFP4)] =  // the W4A8 dot; the row decoder stays
+        FormatKernels{nvfp4_q8x16_bytes, avx512_vnni_tier::prep_nvfp4_q8, dot, t.fmt[static_cast<int>(Fmt::NVFP4)].dequant};
+    // The blocks of 32 (Q8_0, Q4_0, ...): the 256-bit kernels, one block a vector, beat 512-bit
+    // ones that took two blocks a vector (1 core, L2, K = 2048: Q8_0 20.6 vs 16.0 and Q4_0 11.2
+    // vs 9.0 GB/s: their two blocks' scales cost more than the wider vpdpbusd saves); Q4_K /
+    // Q6_K: the 512-bit ones (14.7 vs 13.9, 18.5 vs 15.4); Q5_K the 256-bit one.
+    avx512_vnni_tier::gguf256::set_dots<avx512_vnni_tier::EvexDp>(t);
     t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q4KRow>;
     t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q6KRow>;
-    // Q8_0 / Q4_0: the 256-bit kernels, one block a vector, beat 512-bit ones that took two
-    // blocks a vector (1 core, L2, K = 2048: 20.6 vs 16.0 and 11.2 vs 9.0 GB/s: their two
-    // blocks' scales cost more than the wider vpdpbusd saves); Q4_K / Q6_K: the 512-bit ones
-    // (14.7 vs 13.9, 18.5 vs 15.4).
-    t.fmt[static_cast<int>(Fmt::Q8_0)].dot =
-        dot_rows_by_token_groups<avx512_vnni_tier::gguf256::Q8_0Row<avx512_vnni_tier::EvexDp>>;
-    t.fmt[static_cast<int>(Fmt::Q4_0)].dot =
-        dot_rows_by_token_groups<avx512_vnni_tier::gguf256::Q4_0Row<avx512_vnni_tier::EvexDp>>;
     return t;
   };
   static const Kernels plain = make(dot512::dot_nvfp4<false>);

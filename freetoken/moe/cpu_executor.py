@@ -42,9 +42,14 @@ _Q = gguf.GGMLQuantizationType
 # GGUF types the executor runs: name in the extension, values per block, bytes per block.
 GGUF_TYPES = {
     int(_Q.Q4_0): ("Q4_0", 32, 18),
+    int(_Q.Q4_1): ("Q4_1", 32, 20),
+    int(_Q.Q5_0): ("Q5_0", 32, 22),
+    int(_Q.Q5_1): ("Q5_1", 32, 24),
     int(_Q.Q8_0): ("Q8_0", 32, 34),
     int(_Q.Q4_K): ("Q4_K", 256, 144),
+    int(_Q.Q5_K): ("Q5_K", 256, 176),
     int(_Q.Q6_K): ("Q6_K", 256, 210),
+    int(_Q.MXFP4): ("MXFP4", 32, 17),  # ggml's blocks; the extension's "mxfp4" is the HF layout
 }
 _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -272,6 +277,20 @@ class CpuMoeExecutor:
         out = torch.empty(x.shape[0], N, dtype=torch.float32)
         self._ex.dot(bank, expert, x.data_ptr(), x.shape[0], out.data_ptr(),
                      threads or self.num_threads)
+        return out
+
+    def dequant_rows(self, w: QuantWeight, expert: int, r0: int, r1: int) -> torch.Tensor:
+        """Rows [r0, r1) of W[expert] as fp32 [r1 - r0, K], decoded on the pool's threads, bit
+        for bit gguf-py's dequantize (GGUF types) and the format definitions (the others): the
+        prefill path's "decode a tile, torch.mm"."""
+        bank = make_bank(w, "w")
+        E, N, K = w.shape
+        _need(0 <= expert < E, f"expert must be in [0, {E}), got {expert}")
+        _need(0 <= r0 <= r1 <= N, f"rows [r0, r1) must satisfy 0 <= r0 <= r1 <= {N}, got "
+              f"[{r0}, {r1})")
+        out = torch.empty(r1 - r0, K, dtype=torch.float32)
+        if r1 > r0:
+            self._ex.dequant(bank, expert, r0, r1, out.data_ptr())
         return out
 
     def glu(self, g: torch.Tensor, u: torch.Tensor, s_gate: float = 1.0, s_up: float = 1.0,
