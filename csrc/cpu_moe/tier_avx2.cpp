@@ -119,6 +119,7 @@ struct MaddDp {
   }
 };
 #include "gguf_dot256.h"
+#include "gguf_dequant256.h"
 
 }  // namespace avx2_tier
 
@@ -130,6 +131,7 @@ const Kernels& kernels_avx2() {
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx2_tier::Nvfp4Row<avx2_tier::RowF32>>;
     avx2_tier::gguf256::set_preps<avx2_tier::q8_32_prep_avx2>(t);
     avx2_tier::gguf256::set_dots<avx2_tier::MaddDp>(t);
+    avx2_tier::gguf256::set_dequants(t);
     return t;
   }();
   return k;

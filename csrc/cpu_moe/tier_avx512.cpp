@@ -90,6 +90,7 @@ struct MaddDp {
   }
 };
 #include "gguf_dot256.h"
+#include "gguf_dequant256.h"
 
 }  // namespace avx512_tier
 
@@ -101,6 +102,7 @@ const Kernels& kernels_avx512() {
     t.fmt[static_cast<int>(Fmt::NVFP4)].dot = dot_rows_by_token_groups<avx512_tier::Nvfp4Row<avx512_tier::RowF32>>;
     avx512_tier::gguf256::set_preps<avx512_tier::q8_32_prep_avx512>(t);
     avx512_tier::gguf256::set_dots<avx512_tier::MaddDp>(t);
+    avx512_tier::gguf256::set_dequants(t);
     return t;
   }();
   return k;
