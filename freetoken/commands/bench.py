@@ -54,6 +54,29 @@ def _ints(text: str) -> list[int]:
             f"expected comma-separated integers, got {text!r}") from None
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _moe_runs(args: argparse.Namespace) -> list[tuple[str, float]] | None:
+    """The (backend, rate) sweep; it replaces --moe-backend / --moe-cache-rate / -size, so
+    giving those too is refused rather than ignored."""
+    if args.moe_backends is None and args.moe_cache_rates is None:
+        return None
+    if args.moe_backends is None or not args.moe_cache_rates:
+        raise ValueError("--moe-backends and --moe-cache-rates go together")
+    if args.moe_backend != "auto" or args.moe_cache_rate is not None or \
+            args.moe_cache_size is not None:
+        raise ValueError("--moe-backends / --moe-cache-rates sweep the MoE backend and cache "
+                         "rate: drop --moe-backend, --moe-cache-rate and --moe-cache-size")
+    backends = [b.strip() for b in args.moe_backends.split(",") if b.strip()]
+    return [(b, r) for b in backends for r in args.moe_cache_rates]
+
+
 def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
     from freetoken.cli import add_engine_args
 
@@ -77,6 +100,11 @@ def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
                    help="torch intra-op threads (default: torch's; 1 on a busy shared CPU)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="torch.profiler chrome trace of one decode step at the first batch size")
+    p.add_argument("--moe-backends", default=None,
+                   help="sweep: comma-separated MoE cache backends (offload, cpu, hybrid), each "
+                   "measured at every --moe-cache-rates value on one loaded model")
+    p.add_argument("--moe-cache-rates", type=_floats, default=None,
+                   help="sweep: comma-separated expert cache rates (with --moe-backends)")
 
 
 def _engine_bench_run(args: argparse.Namespace, prefill_only: bool) -> int:
@@ -87,7 +115,7 @@ def _engine_bench_run(args: argparse.Namespace, prefill_only: bool) -> int:
          prompt_len=getattr(args, "prompt_len", 128), tokens=getattr(args, "tokens", 8),
          warmup=args.warmup, prompt_lens=args.prompt_lens, decode=not prefill_only,
          prefill=prefill_only or args.prefill, json_path=args.json, profile_path=args.profile,
-         torch_threads=args.torch_threads)
+         torch_threads=args.torch_threads, moe_runs=_moe_runs(args))
     return 0
 
 

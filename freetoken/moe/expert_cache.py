@@ -20,10 +20,12 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from freetoken.kernels.moe import fused_moe
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.host_banks import executor_bank
+from freetoken.moe.policy import FetchPolicy
 from freetoken.moe.slot_cache import SlotCache
 
 logger = logging.getLogger(__name__)
@@ -34,8 +36,7 @@ CACHE_BACKENDS = ("offload", "hybrid", "cpu")
 PREFILL_TOKENS = 64
 
 
-def _all(misses: torch.Tensor) -> torch.Tensor:
-    return misses
+_ALL = FetchPolicy(None, None, "every miss")
 
 
 class ExpertCache:
@@ -77,22 +78,29 @@ class ExpertCache:
                 activation: str) -> torch.Tensor:
         """One layer call: plan (device); the CPU's share read to the host; the fetches and the
         device kernel (hits + fetched) queued; the CPU executor runs while the device works;
-        the two partial sums added."""
+        the two partial sums added. The phases are profiler ranges (moe.*: `ft bench decode
+        --profile` sums them per step)."""
         c = self.cache
         fetch_all = self.fetch_all or ids.shape[0] >= PREFILL_TOKENS
-        fetched = c.plan(layer, ids, _all if fetch_all else self.fetch_limit)
-        emap = c.expert_map(layer)  # the map already names the slots being filled
+        with record_function("moe.plan"):
+            fetched = c.plan(layer, ids, _ALL if fetch_all else self.fetch_limit)
+            emap = c.expert_map(layer)  # the map already names the slots being filled
         job = None
         if not fetch_all:
-            fetched, job = self._to_host(x, ids, w, emap, fetched)
-        self._fill(layer, fetched)
-        y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
+            with record_function("moe.to_host"):
+                fetched, job = self._to_host(x, ids, w, emap, fetched)
+        with record_function("moe.fill"):
+            self._fill(layer, fetched)
+        with record_function("moe.device"):
+            y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
         if fetch_all:
             return self._more_rounds(layer, x, ids, w, emap, y, activation)
         if job is None:
             return y
-        cpu = self._cpu_run(layer, x.shape, job, activation)
-        return (y.float() + cpu.to(y.device)).to(x.dtype)
+        with record_function("moe.cpu"):
+            cpu = self._cpu_run(layer, x.shape, job, activation)
+        with record_function("moe.sum"):
+            return (y.float() + cpu.to(y.device)).to(x.dtype)
 
     def _fill(self, layer: int, fetched: torch.Tensor) -> None:
         """Copy the fetched experts into their slots on the copy stream, which first waits for
@@ -117,7 +125,7 @@ class ExpertCache:
         y = y.float()
         while bool(left.any()):
             sub = ids[left].reshape(-1, 1)
-            self._fill(layer, c.plan(layer, sub, _all, count=False))
+            self._fill(layer, c.plan(layer, sub, _ALL, count=False))
             mine = torch.zeros(c.num_experts, dtype=torch.bool, device=ids.device)
             mine[sub.flatten().long()] = True
             emap = torch.where(mine, c.expert_map(layer), -1).to(torch.int32)
@@ -127,26 +135,30 @@ class ExpertCache:
 
     def _to_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                  emap: torch.Tensor, fetched: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """The fetch list and the CPU's share on the host, in two transfers (each read of a
-        device tensor is a sync on a GPU: one per tensor would cost tens of microseconds a
-        layer). Returns (fetched on the host, (rows, ids, weights, x rows) or None when the
+        """The fetch list and the CPU's share on the host in one transfer (each read of a
+        device tensor is a sync on a GPU: one per tensor cost tens of microseconds a layer):
+        int64 fetch list, CPU-route mask and ids, then x and the routing weights as fp32, all
+        as bytes. Returns (fetched on the host, (rows, ids, weights, x rows) or None when the
         CPU has no routes).
 
         NOTE: made before the device work is queued, so that the executor then overlaps it;
         the CUDA-graph hand-off (a host function on the stream) is not built yet."""
         T, k = ids.shape
+        H = x.shape[1]
         on_cpu = emap.long()[ids.long()] < 0  # [T, k]
-        packed = torch.cat([fetched.reshape(-1), on_cpu.reshape(-1).long(),
-                            ids.reshape(-1).long()]).cpu()
+        ints = torch.cat([fetched.reshape(-1), on_cpu.reshape(-1).long(), ids.reshape(-1).long()])
+        floats = torch.cat([x.float(), w.float()], dim=1).reshape(-1)  # [T * (H + k)]
+        packed = torch.cat([ints.view(torch.uint8), floats.view(torch.uint8)]).cpu()
+        ints_h = packed[:ints.numel() * 8].view(torch.int64)
         n = fetched.shape[1]
-        fetched_h = packed[:2 * n].view(2, n)
-        on_cpu_h = packed[2 * n:2 * n + T * k].view(T, k).bool()
+        fetched_h = ints_h[:2 * n].view(2, n)
+        on_cpu_h = ints_h[2 * n:2 * n + T * k].view(T, k).bool()
         if not bool(on_cpu_h.any()):
             return fetched_h, None
-        ids_h = packed[2 * n + T * k:].view(T, k)
-        xw = torch.cat([x.float(), w.float()], dim=1).cpu()  # [T, H + k]
-        rows, ids_c, w_c = _compact(on_cpu_h, ids_h, xw[:, x.shape[1]:])
-        return fetched_h, (rows, ids_c, w_c.contiguous(), xw[rows, :x.shape[1]].contiguous())
+        ids_h = ints_h[2 * n + T * k:].view(T, k)
+        xw = packed[ints.numel() * 8:].view(torch.float32).view(T, H + k)
+        rows, ids_c, w_c = _compact(on_cpu_h, ids_h, xw[:, H:])
+        return fetched_h, (rows, ids_c, w_c.contiguous(), xw[rows, :H].contiguous())
 
     def _cpu_run(self, layer: int, shape: torch.Size, job: tuple, activation: str
                  ) -> torch.Tensor:

@@ -15,6 +15,7 @@ in another byte order: `executor_bank` repacks them (a second host copy of those
 from __future__ import annotations
 
 import logging
+import weakref
 
 import gguf
 import torch
@@ -64,26 +65,30 @@ def executor_bank(bank: ExpertBank) -> ExpertBank | None:
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    """t copied into huge-page host memory, registered with CUDA as pinned."""
+    """t copied into huge-page host memory, registered with CUDA as pinned until the tensor
+    is freed (a registration left behind makes the next one at that address fail: error 712,
+    seen when a second model was loaded in the same process)."""
     out = huge_page_empty(tuple(t.shape), t.dtype)
     out.copy_(t)
     if out.numel():
-        rc = torch.cuda.cudart().cudaHostRegister(out.data_ptr(),
-                                                  out.numel() * out.element_size(), 0)
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(out.data_ptr(), out.numel() * out.element_size(), 0)
         if int(rc) != 0:
             raise RuntimeError(f"cudaHostRegister of a {out.numel() * out.element_size()} B "
                                f"host bank failed (error {int(rc)})")
+        weakref.finalize(out, cudart.cudaHostUnregister, out.data_ptr())
     return out
 
 
 def host_bank(bank: ExpertBank, pin: bool) -> ExpertBank:
-    """The bank in host memory: as is on a CPU-only machine, else copied to pinned huge pages.
-    Only routed experts come here, so the device keeps dense weights, KV and slots."""
+    """The bank in host memory: as is on a CPU-only machine, else copied to pinned huge pages
+    (tensors already pinned, as when a second engine is built on a loaded model, stay as they
+    are). Only routed experts come here, so the device keeps dense weights, KV and slots."""
     def move(t):
         if t is None:
             return None
         t = t.cpu().contiguous()
-        return _pinned_copy(t) if pin else t
+        return _pinned_copy(t) if pin and not t.is_pinned() else t
 
     def qw(w: QuantWeight) -> QuantWeight:
         return QuantWeight(move(w.data), w.fmt, w.shape, scales=move(w.scales),

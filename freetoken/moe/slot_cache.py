@@ -20,7 +20,6 @@ the host only when it logs or serves /metrics.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,14 @@ from freetoken.moe.banks import ExpertBank
 ALIGN = 256  # bytes: every part of a slot starts on a 256-byte boundary (GPU loads, dtype views)
 COUNTERS = ("hits", "misses", "fetched", "cpu")
 _NEVER = torch.iinfo(torch.int64).max
+
+
+def plan_kernel_routes() -> int:
+    """The most routes (T * k) a layer call plans in one kernel launch on a GPU (the torch
+    ops above that: prefill)."""
+    from freetoken.kernels.triton.slot_plan import MAX_ROUTES
+
+    return MAX_ROUTES
 
 
 def _round(n: int, a: int = ALIGN) -> int:
@@ -111,6 +118,7 @@ class SlotCache:
         self.last_use = torch.full((S + 1,), -1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+        self._q: dict[float, torch.Tensor] = {}  # the plan kernel's q values on the device
 
     @property
     def nbytes(self) -> int:
@@ -132,9 +140,10 @@ class SlotCache:
     def plan(self, layer: int, ids: torch.Tensor, fetch_limit, count: bool = True
              ) -> torch.Tensor:
         """Look up layer `layer`'s experts of `ids` [T, k], mark the hits used, and give slots
-        to up to `fetch_limit` missing experts (an int or a 0-dim device tensor computed from
-        the miss count by `fetch_limit(misses)` when callable), evicting the least recently
-        used slots that this call does not use.
+        to up to `fetch_limit` missing experts (an int, or a policy.FetchPolicy: a 0-dim
+        device tensor computed from the miss count), evicting the least recently used slots
+        that this call does not use. On a GPU a call of up to plan_kernel_routes() routes is
+        one kernel launch (kernels/triton/slot_plan.py) with the same results.
 
         Returns `fetched` int64 [2, n] (expert, slot) rows with -1 where nothing is fetched
         (fixed n = min(E, T*k)); the map (layer's experts -> slot or -1) is `expert_map(layer)`.
@@ -142,6 +151,11 @@ class SlotCache:
         slots): its fetches move experts from the cpu counter to the fetched one.
         """
         E, S = self.num_experts, self.num_slots
+        if self.device.type == "cuda" and ids.numel() <= plan_kernel_routes():
+            from freetoken.kernels.triton.slot_plan import plan_triton
+
+            q, cap = self._q_cap(fetch_limit)
+            return plan_triton(self, layer, ids, q, cap, count)
         base = layer * E
         self.clock += 1
         flat = ids.reshape(-1).long()
@@ -178,6 +192,18 @@ class SlotCache:
             self.counters += torch.stack([torch.zeros_like(f), torch.zeros_like(f), f, -f])
         return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
 
+    def _q_cap(self, fetch_limit) -> tuple[torch.Tensor, int]:
+        """(q as a float64 device tensor, -1 = every miss; cap) of an int limit or a
+        policy with `q` (None = every miss) and `cap` (None = none) for the plan kernel."""
+        if isinstance(fetch_limit, int):
+            q, cap = None, fetch_limit
+        else:
+            q, cap = fetch_limit.q, fetch_limit.cap
+        q = -1.0 if q is None else float(q)
+        if q not in self._q:
+            self._q[q] = torch.tensor([q], dtype=torch.float64, device=self.device)
+        return self._q[q], self.num_experts if cap is None else cap
+
     def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor) -> None:
         """slot_of[keys] = slots where fetch, evicting the slots' old owners."""
         S, sink = self.num_slots, self.slot_of.numel() - 1
@@ -209,21 +235,30 @@ class SlotCache:
     # -- data ----------------------------------------------------------------------------------
     def fill(self, layer: int, host: ExpertBank, fetched: torch.Tensor,
              stream: torch.cuda.Stream | None = None) -> int:
-        """Copy the fetched (expert, slot) rows' tensors from the host bank into their slots.
-        Returns the number of experts copied.
+        """Copy the fetched (expert, slot) rows' tensors from the host bank into their slots
+        (on a GPU: one driver copy per part from the pinned bank, on `stream`). Returns the
+        number of experts copied.
 
-        NOTE: this reads the fetched list on the host (one sync); a GPU gather kernel reading
-        the pinned host bank through the map would keep it inside a graph."""
+        NOTE: this reads the fetched list on the host (a sync unless it is there already); a
+        GPU gather kernel reading the pinned host bank through the map would keep it inside a
+        graph."""
         rows = fetched[:, fetched[0] >= 0].cpu()
         if rows.shape[1] == 0:
             return 0
         src = bank_tensors(host)
+        if self.pool.is_cuda:
+            from freetoken.moe.h2d import copy_ranges
+
+            base, sb = self.pool.data_ptr(), self.slot_bytes
+            parts = [(p.offset, src[p.name].data_ptr(), p.nbytes) for p in self.layouts[layer]]
+            copy_ranges([(base + s * sb + off, ptr + e * n, n) for e, s in rows.t().tolist()
+                         for off, ptr, n in parts],
+                        stream or torch.cuda.current_stream(self.device))
+            return rows.shape[1]
         dst = {p.name: _view(self.pool, p) for p in self.layouts[layer]}
-        ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
-        with ctx:
-            for e, s in rows.t().tolist():
-                for name, t in src.items():
-                    dst[name][s].copy_(t[e], non_blocking=True)
+        for e, s in rows.t().tolist():
+            for name, t in src.items():
+                dst[name][s].copy_(t[e])
         return rows.shape[1]
 
     def read_counters(self) -> dict[str, int]:

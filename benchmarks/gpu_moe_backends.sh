@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The expert-cache backends (offload, cpu, hybrid) on one GPU machine, in one command, each
+# stage time-limited and writing under OUT_DIR:
+#   bash benchmarks/gpu_moe_backends.sh smoke|full|all OUT_DIR [BASE_TREE]
+# 1. the CPU MoE executor built here with cmake (skipped when freetoken/ holds a build of
+#    the same csrc: build.stamp), copied into freetoken/;
+# 2. `ft bench bw` for q4_k and nvfp4 (writes the profile hybrid's q* and the ceilings use);
+# smoke: 3. the CUDA tests of the backends (float32 equality with fused on the tiny MoE
+#    models), the slot cache and its plan kernel; 4. a 2-layer Qwen3-30B-A3B shape, every
+#    backend at cache rate 0.1, batch 1 and 4, prefill 512, a profiled step; with BASE_TREE
+#    the same runs with that tree's code (before / after);
+# full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
+#    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
+#    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
+#    model loaded once); all: smoke, then full.
+set -uo pipefail
+mode=${1:?usage: gpu_moe_backends.sh smoke|full|all OUT_DIR [BASE_TREE]}
+out=${2:?usage: gpu_moe_backends.sh smoke|full|all OUT_DIR [BASE_TREE]}
+base=${3:-}
+full_limit=${FULL_STAGE_SECONDS:-400}  # per model of the full sweeps
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+export FREETOKEN_CACHE=${FREETOKEN_CACHE:-/tmp/freetoken-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+cd "$root"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
+
+stamp=$(cat CMakeLists.txt csrc/cpu_moe/* | sha1sum | cut -c1-16)
+if [ "$(cat freetoken/build.stamp 2>/dev/null)" != "$stamp" ]; then
+  t0=$SECONDS
+  timeout 400 bash -c "cmake -S . -B /tmp/ft-build -DCMAKE_BUILD_TYPE=Release \
+      -DPython_EXECUTABLE=$(command -v python3) -Dnanobind_DIR=$(python3 -m nanobind --cmake_dir) \
+    && cmake --build /tmp/ft-build -j $(nproc)" > "$out/build.txt" 2>&1
+  echo "build: exit $? in $((SECONDS - t0)) s" >> "$out/build.txt"
+  cp /tmp/ft-build/csrc/cpu_moe/_cpu_moe*.so freetoken/ && echo "$stamp" > freetoken/build.stamp
+  mkdir -p "$out/ext" && cp freetoken/_cpu_moe*.so freetoken/build.stamp "$out/ext/"
+fi
+
+stage() {  # stage NAME SECONDS COMMAND...: output in OUT/NAME.txt, exit status and time last
+  local name=$1 limit=$2 t0=$SECONDS
+  shift 2
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.txt"
+}
+stage bw 150 python3 -m freetoken.cli bench bw --formats q4_k,nvfp4 --seconds 1 --json "$out/bw.json"
+cp "$FREETOKEN_CACHE/bw_profile.json" "$out/" 2>/dev/null
+
+sweep() {  # sweep NAME SECONDS MODEL FORMAT BACKENDS RATES BATCHES TOKENS [extra args]
+  local name=$1 limit=$2 model=$3 fmt=$4 backends=$5 rates=$6 batches=$7 tokens=$8
+  shift 8
+  stage "$name" "$limit" python3 -m freetoken.cli bench decode --model "$model" --dummy-weights --dummy-format "$fmt" \
+    --moe-backends "$backends" --moe-cache-rates "$rates" --batch "$batches" \
+    --tokens "$tokens" --prompt-len 32 --warmup 2 --prefill --no-show-progress \
+    --json "$out/$name.json" --profile "$out/$name-trace.json" "$@"
+}
+
+if [ "$mode" != full ]; then
+  stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_slot_cache.py \
+    tests/moe/test_slot_plan.py tests/moe/test_backends.py -k "cuda or slot"
+  sweep smoke 240 qwen3-30b-a3b q4_k offload,cpu,hybrid 0.1 1,4 8 --dummy-layers 2 \
+    --prompt-lens 512
+  if [ -n "$base" ]; then  # the same runs with the code before this change (no sweep flag)
+    cp freetoken/_cpu_moe*.so "$base/freetoken/"
+    for b in offload cpu hybrid; do
+      (cd "$base" && PYTHONPATH="${PYTHONPATH/$root/$base}" stage "smoke_base_$b" 120 \
+        python3 -m freetoken.cli bench decode --model qwen3-30b-a3b --dummy-weights \
+        --dummy-format q4_k --moe-backend "$b" --moe-cache-rate 0.1 --batch 1,4 --tokens 8 \
+        --prompt-len 32 --warmup 2 --no-show-progress --dummy-layers 2)
+    done
+  fi
+fi
+if [ "$mode" != smoke ]; then
+  sweep q4k_30b "$full_limit" qwen3-30b-a3b q4_k offload,cpu,hybrid 0.1,0.25 1,2,3,4 16 \
+    --prompt-lens 512,2048
+  sweep nvfp4_35b "$full_limit" qwen3.6-35b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 16 \
+    --prompt-lens 512,2048
+  sweep nvfp4_30b "$full_limit" qwen3-30b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 16 \
+    --prompt-lens 512,2048
+fi
+rm -f "$out"/*-trace*.json  # the tables are in the .txt files; traces are large
+grep -h -A12 "^batch\|^ prompt\|^step\|exit" "$out"/*.txt | cut -c1-160 | tail -n 150
