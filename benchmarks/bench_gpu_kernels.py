@@ -3,6 +3,8 @@
     python benchmarks/bench_gpu_kernels.py [--formats nvfp4,Q4_K] [--moe-tokens 1,16,512]
         [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
 
+`Q8_0s` is Q8_0 split as the loader places dense Q8_0 weights on CUDA (int8 codes and f16 block
+scales apart: `freetoken.kernels.triton.formats.split_q8_0`); `Q8_0` the blocks as stored.
 Shapes are Qwen3-30B-A3B's (FACTS.md): dense qkv 5120x2048, o_proj 2048x4096, lm_head
 151936x2048; MoE 128 experts, hidden 2048, FFN 768, top-8. Bytes are the weight bytes a call
 must read (MoE: the distinct experts the routes touch). Each call is timed eagerly and replayed
@@ -20,11 +22,12 @@ import torch
 from freetoken.formats.qweight import QuantWeight
 from freetoken.kernels.linear import linear
 from freetoken.kernels.moe import fused_moe
+from freetoken.kernels.triton.formats import split_q8_0
 from freetoken.moe.banks import ExpertBank
 
-GGUF = {"Q4_0": (2, 32, 18, (0,)), "Q8_0": (8, 32, 34, (0,)), "Q4_K": (12, 256, 144, (0, 2)),
-        "Q5_K": (13, 256, 176, (0, 2)), "Q6_K": (14, 256, 210, (208,)),
-        "MXFP4": (39, 32, 17, ())}
+GGUF = {"Q4_0": (2, 32, 18, (0,)), "Q8_0": (8, 32, 34, (0,)), "Q8_0s": (8, 32, 34, (0,)),
+        "Q4_K": (12, 256, 144, (0, 2)), "Q5_K": (13, 256, 176, (0, 2)),
+        "Q6_K": (14, 256, 210, (208,)), "MXFP4": (39, 32, 17, ())}
 DENSE = [("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("lm_head", 151936, 2048)]
 
 
@@ -54,7 +57,8 @@ def make_weight(fmt: str, shape: tuple[int, ...]) -> QuantWeight:
         data[..., at + 1] = _u8((*lead, n, k // block), 0x20, 0x30)
     if fmt == "MXFP4":
         data[..., 0] = _u8((*lead, n, k // block), 120, 130)
-    return QuantWeight(data.reshape(*lead, n, -1), "gguf", shape, ggml_type=t)
+    qw = QuantWeight(data.reshape(*lead, n, -1), "gguf", shape, ggml_type=t)
+    return split_q8_0(qw) if fmt == "Q8_0s" else qw
 
 
 def _median_ms(fn, reps: int = 5, calls: int = 20) -> float:
@@ -135,8 +139,11 @@ def bench_moe(fmt: str, tokens: list[int], hbm: float, e: int = 128, h: int = 20
 
 GEMV_TILES = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4),
               (16, 256, 8), (32, 256, 8)]
+# (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
+SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
+               (16, 2048, 8), (2, 2048, 4)]
 # (BM, BN, BK, num_warps) for 16 and 512 tokens; BK 0 = the format's (256 for Q4_K, else 128)
-DOT_TILES = {16: [(16, 16, 0, 4), (16, 32, 0, 4), (16, 64, 0, 4), (16, 32, 0, 8)],
+DOT_TILES = {16: [(16, 16, 0, 4), (16, 32, 0, 4), (16, 64, 0, 4), (16, 32, 0, 8), (16, 32, 0, 2)],
              512: [(64, 64, 0, 4), (64, 64, 0, 8), (128, 64, 0, 8), (64, 128, 0, 8),
                    (128, 128, 0, 8), (32, 64, 0, 4)]}
 
@@ -186,9 +193,25 @@ def sweep(fmt: str, hbm: float) -> None:
     print(f"(HBM copy {hbm:.0f} GB/s)")
 
 
+def sweep_split(hbm: float) -> None:
+    """Split Q8_0 (dense only): GEMV tiles at one token, tl.dot tiles at 4 and 16."""
+    from freetoken.kernels.triton.linear import triton_linear
+
+    for name, n, k in DENSE:
+        qw = make_weight("Q8_0s", (n, k))
+        for m in (1, 4, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            tiles = [(1, bn, bk, w) for bn, bk, w in SPLIT_TILES] if m == 1 else \
+                [(bm, bn, 256, w) for bm, bn, _, w in DOT_TILES[16]]
+            cells = [_try(f"{t}", lambda a=(x, qw, t): triton_linear(*a), qw.nbytes(),
+                          2 * m * n * k) for t in tiles]
+            print(f"sweep Q8_0s {name} m={m:2d}:\n  " + "\n  ".join(cells), flush=True)
+    print(f"(HBM copy {hbm:.0f} GB/s)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", default="nvfp4,Q4_K,Q8_0,Q6_K,mxfp4,MXFP4,fp8_block,bf16")
+    p.add_argument("--formats", default="nvfp4,Q4_K,Q8_0s,Q8_0,Q6_K,mxfp4,MXFP4,fp8_block,bf16")
     p.add_argument("--dense-tokens", default="1,16,512")
     p.add_argument("--moe-tokens", default="1,16,512")
     p.add_argument("--skip-dense", action="store_true")
@@ -197,13 +220,14 @@ def main() -> None:
     hbm = hbm_copy_gbs()
     print(f"HBM copy (read + write): {hbm:.0f} GB/s  ({torch.cuda.get_device_name()})")
     for fmt in filter(None, a.sweep.split(",")):
-        sweep(fmt, hbm)
+        sweep_split(hbm) if fmt == "Q8_0s" else sweep(fmt, hbm)
     print(f"{'shape':10s} {'format':9s} {'tokens':>6s} {'MB':>9s} {'eager us':>9s} "
           f"{'graph us':>9s} {'GB/s':>8s} {'% HBM':>6s} {'TFLOP/s':>7s}")
     for fmt in filter(None, a.formats.split(",")):
         if not a.skip_dense:
             bench_dense(fmt, [int(t) for t in a.dense_tokens.split(",")], hbm)
-        bench_moe(fmt, [int(t) for t in a.moe_tokens.split(",")], hbm)
+        if fmt != "Q8_0s":  # expert banks stay in Q8_0 blocks
+            bench_moe(fmt, [int(t) for t in a.moe_tokens.split(",")], hbm)
 
 
 if __name__ == "__main__":

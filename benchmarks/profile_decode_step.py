@@ -14,8 +14,9 @@ ops instead (a small model: `--dummy-layers 2`), so the script itself is tested 
 
 `--kernel-ab` (CUDA) times the decode kernels whose settings changed with this profile against
 their previous settings, at one token on Qwen3-30B-A3B shapes, replayed from CUDA graphs
-(benchmarks/bench_gpu_kernels.py's timer): the Q8_0 GEMV with 1024- vs 256-wide K chunks and
-the fused MoE layer (Q4_K, NVFP4) with the unrolled vs the rolled K loop.
+(benchmarks/bench_gpu_kernels.py's timer): the Q8_0 GEMV on blocks as stored vs split
+(`formats.split_q8_0`, as the loader places dense Q8_0 on CUDA) and the fused MoE layer
+(Q4_K, NVFP4) with the unrolled vs the rolled K loop.
 """
 
 from __future__ import annotations
@@ -149,12 +150,10 @@ def kernel_ab() -> None:
         print(f"{label:<44} {g * 1e3:8.1f} us {nbytes / g / 1e6:7.0f} GB/s", flush=True)
 
     for name, n, k in DENSE:
-        qw = make_weight("Q8_0", (n, k))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        bn = 4 if n <= 4096 else 8
-        for bk in (1024, 256):
-            row(f"Q8_0 {name} {n}x{k} BK={bk}",
-                lambda x=x, qw=qw, t=(1, bn, bk, 4): triton_linear(x, qw, t), qw.nbytes())
+        for fmt in ("Q8_0", "Q8_0s"):  # blocks as stored, split as the loader places them
+            qw = make_weight(fmt, (n, k))
+            row(f"{fmt} {name} {n}x{k}", lambda x=x, qw=qw: triton_linear(x, qw), qw.nbytes())
     e, h, inter, topk = 128, 2048, 768, 8
     for fmt in ("Q4_K", "nvfp4"):
         bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),

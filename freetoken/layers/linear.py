@@ -18,6 +18,7 @@ from torch import nn
 from freetoken import kernels
 from freetoken.formats.errors import FormatError
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels.triton.formats import device_layout  # no triton import
 
 
 def take_rows(qw: QuantWeight, index: torch.Tensor) -> QuantWeight:
@@ -64,15 +65,16 @@ def fuse(ws: list[QuantWeight]) -> QuantWeight:
 
 
 def _to(qw: QuantWeight, dtype: torch.dtype, device) -> QuantWeight:
-    """Float weights take the model dtype; quantized storage moves unchanged."""
+    """Float weights take the model dtype; quantized storage moves unchanged, except on CUDA
+    (`device_layout`: Q8_0 split for the kernels, a format without kernel decoded once)."""
     data = qw.data.to(device=device, dtype=dtype) if qw.is_float else qw.data.to(device)
     fmt = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-    return QuantWeight(
+    return device_layout(QuantWeight(
         data, fmt if qw.is_float else qw.fmt, qw.shape,
         scales=None if qw.scales is None else qw.scales.to(device),
         scale2=None if qw.scale2 is None else qw.scale2.to(device=device, dtype=torch.float32),
         ggml_type=qw.ggml_type, source=qw.source,
-    )
+    ), dtype)
 
 
 class Linear(nn.Module):

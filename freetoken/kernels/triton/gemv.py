@@ -3,8 +3,8 @@
 `gemv_block(FMT, w_rows, s_rows, x_row, k0, n_ok, BK)` returns fp32 [BLOCK_N] partial sums
 sum_k W[n, k] x[k] over k0 <= k < k0 + BK. For the formats that carry the decode bar (NVFP4,
 Q4_K, Q6_K, Q8_0) it reads the code bytes as contiguous runs (vector loads) and applies the block
-scales once per block, as llama.cpp's MMVQ does: NVFP4 `s * sum(e2m1 * x)`, Q8_0
-`d * sum(q * x)`, Q4_K `d sc * sum(q * x) - dmin m * sum(x)` per 32 values. These are the
+scales once per block, as llama.cpp's MMVQ does: NVFP4 `s * sum(e2m1 * x)`, Q8_0 (blocks or
+split) `d * sum(q * x)`, Q4_K `d sc * sum(q * x) - dmin m * sum(x)` per 32 values. These are the
 codecs' values summed in another association (fp32, within the same K eps bound the tests
 state); the other formats multiply `quant.decode_tile` (the codecs' exact values) by x.
 """
@@ -53,6 +53,18 @@ def _q8_0_dot(w_rows, x_row, k0, n_ok, BK: tl.constexpr):
     x = tl.load(x_row + k0 + 32 * g[:, None] + i[None, :]).to(tl.float32)  # [G, 32]
     part = tl.sum(q * x[None], axis=2)
     return tl.sum(part * _f16(blk, n_ok[:, None]), axis=1)
+
+
+@triton.jit
+def _q8_0_split_dot(w_rows, s_rows, x_row, k0, n_ok, BK: tl.constexpr):
+    """Split Q8_0 (`formats.split_q8_0`): each row's BK codes are one aligned run (16-byte
+    loads), d one f16 per 32 values."""
+    G: tl.constexpr = BK // 32
+    q = tl.load(w_rows + k0 + tl.arange(0, BK)[None, :], mask=n_ok[:, None], other=0)
+    x = tl.load(x_row + k0 + tl.arange(0, BK)).to(tl.float32)
+    part = tl.sum(tl.reshape(q.to(tl.float32) * x[None, :], (q.shape[0], G, 32)), axis=2)
+    d = tl.load(s_rows + k0 // 32 + tl.arange(0, G)[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.sum(part * d.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -119,6 +131,8 @@ def gemv_block(FMT: tl.constexpr, w_rows, s_rows, x_row, k0, n_ok, BK: tl.conste
         acc = _q4_k_dot(w_rows, x_row, k0, n_ok, BK)
     elif FMT == 15:
         acc = _q6_k_dot(w_rows, x_row, k0, n_ok, BK)
+    elif FMT == 18:
+        acc = _q8_0_split_dot(w_rows, s_rows, x_row, k0, n_ok, BK)
     else:
         k = k0 + tl.arange(0, BK)
         w = decode_tile(FMT, w_rows, s_rows, k[None, :], n_ok[:, None])

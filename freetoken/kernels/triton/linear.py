@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from freetoken.formats.qweight import QuantWeight
-from freetoken.kernels.triton.formats import format_id
+from freetoken.kernels.triton.formats import F_Q8_0_SPLIT, format_id
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.quant import decode_tile
 from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
@@ -147,6 +147,17 @@ def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, 
     # models are Q8_0: more bytes per decode step than the routed experts). Measured on the
     # H200 at one token (profile_decode_step.py --kernel-ab): qkv 5120x2048 9.0 us against
     # 11.2, o_proj 2048x4096 8.1 against 12.1, lm_head 151936x2048 210 against 251 (1576 GB/s).
+    # Split Q8_0 (formats.split_q8_0; measured with --sweep Q8_0s, bf16): one token, 8 rows in
+    # 2048-wide chunks with 8 warps: qkv 5.0 us (2.2 TB/s), o_proj 4.8 us (1.9 TB/s), against
+    # 9.0 / 7.9 on blocks; the lm_head 4 rows, 1024-wide, 4 warps: 107 us (3.1 TB/s, blocks
+    # 210). 2-16 tokens: 16x32 tl.dot tiles over 256 values: lm_head 110-115 us (2.9-3.0 TB/s)
+    # against 221-225 with 16x16, qkv 8.8-9.7 us against 13.8-14.1, o_proj 11.3-13.9 (14.0-14.6).
+    if fmt == F_Q8_0_SPLIT and m <= 16:
+        if m == 1:
+            return (1, 8, gemv_bk(fmt, k, 2048), 8) if n <= 8192 else \
+                (1, 4, gemv_bk(fmt, k, 1024), 4)
+        if dot and k % 256 == 0:
+            return 16, 32, 256, 4
     bk = gemv_bk(fmt, k, 1024 if fmt == 12 else 256)
     if m == 1 and bk is not None:
         if fmt in (1, 13):

@@ -2,7 +2,8 @@
 
 `decode_tile(FMT, w_rows, s_rows, k, mask)` returns the fp32 values of a [BLOCK_N, BLOCK_K] tile:
 `w_rows` [BLOCK_N, 1] points at each row's first byte (its first element for float formats),
-`s_rows` [BLOCK_N, 1] at the row's block scales (NVFP4, MXFP4, FP8 block; unused otherwise),
+`s_rows` [BLOCK_N, 1] at the row's block scales (NVFP4, MXFP4, FP8 block, split Q8_0; unused
+otherwise),
 `k` [1, BLOCK_K] holds logical column indices, `mask` which elements exist. Every fp32 operation
 is the codec's, in its order (`q * d - m` is a multiply then a subtract: kernels that decode are
 launched with `enable_fp_fusion=False`, so no FMA merges the two roundings). Bytes are loaded one
@@ -128,6 +129,13 @@ def _q8_0(w_rows, k, mask):
 
 
 @triton.jit
+def _q8_0_split(w_rows, s_rows, k, mask):
+    """Split Q8_0 (`formats.split_q8_0`): int8 codes [N, K], f16 d [N, K/32]."""
+    q = tl.load(w_rows + k, mask=mask, other=0).to(tl.float32)
+    return q * tl.load(s_rows + k // 32, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _k4_scale_min(sc, sub, mask):
     """Q4_K / Q5_K 6-bit scale and min of sub-block `sub` (0..7) from the 12 bytes at `sc`."""
     lo = sub < 4
@@ -222,6 +230,8 @@ def decode_tile(FMT: tl.constexpr, w_rows, s_rows, k, mask):
         w = _q6_k(w_rows, k, mask)
     elif FMT == 16:
         w = _gguf_mxfp4(w_rows, k, mask)
+    elif FMT == 18:
+        w = _q8_0_split(w_rows, s_rows, k, mask)
     else:
         w = _gguf_nvfp4(w_rows, k, mask)
     return w

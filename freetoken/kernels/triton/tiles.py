@@ -15,7 +15,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton.quant import _e2m1, _e4m3, _f16, _k4_scale_min
 
-FAST_TILE_FORMATS = (1, 12, 13)  # NVFP4, Q8_0, Q4_K
+FAST_TILE_FORMATS = (1, 12, 13, 18)  # NVFP4, Q8_0, Q4_K, split Q8_0
 
 
 def has_fast_tile(fmt: int, k: int, bk: int) -> bool:
@@ -48,6 +48,15 @@ def _q8_0_tile(w_rows, k0, n_ok, BK: tl.constexpr):
 
 
 @triton.jit
+def _q8_0_split_tile(w_rows, s_rows, k0, n_ok, BK: tl.constexpr):
+    G: tl.constexpr = BK // 32
+    q = tl.load(w_rows + k0 + tl.arange(0, BK)[None, :], mask=n_ok[:, None], other=0)
+    d = tl.load(s_rows + k0 // 32 + tl.arange(0, G)[None, :], mask=n_ok[:, None], other=0.0)
+    w = tl.reshape(q.to(tl.float32), (q.shape[0], G, 32)) * d.to(tl.float32)[:, :, None]
+    return tl.reshape(w, (q.shape[0], BK))
+
+
+@triton.jit
 def _q4_k_tile(w_rows, k0, n_ok, BK: tl.constexpr):
     blk = w_rows + (k0 // 256) * 144  # [BN, 1]
     g = tl.arange(0, 4)
@@ -73,6 +82,8 @@ def fast_tile(FMT: tl.constexpr, w_rows, s_rows, k0, n_ok, BK: tl.constexpr):
         w = _nvfp4_tile(w_rows, s_rows, k0, n_ok, BK)
     elif FMT == 12:
         w = _q8_0_tile(w_rows, k0, n_ok, BK)
+    elif FMT == 18:
+        w = _q8_0_split_tile(w_rows, s_rows, k0, n_ok, BK)
     else:
         w = _q4_k_tile(w_rows, k0, n_ok, BK)
     return w
