@@ -1,7 +1,9 @@
 """MoE routing entry point: router logits -> (expert ids, routing weights).
 
 The torch reference (CPU, and the oracle of the kernel tests) and, on CUDA, one Triton launch
-(`freetoken.kernels.triton.route`). Scoring as `freetoken.layers.moe` documents it:
+(`freetoken.kernels.triton.route`); `gate_topk` starts from the hidden states and, at decode
+sizes on CUDA, computes the router's logits in the same launch. Scoring as
+`freetoken.layers.moe` documents it:
 - "softmax": p = softmax(logits), top-k of p, optionally renormalised to sum 1;
 - "sigmoid": p = sigmoid(logits), experts chosen by top-k of p + bias, weights p of the chosen,
   optionally renormalised.
@@ -10,6 +12,8 @@ The torch reference (CPU, and the oracle of the kernel tests) and, on CUDA, one 
 from __future__ import annotations
 
 import torch
+
+from freetoken.formats.qweight import QuantWeight
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -60,3 +64,33 @@ def route_topk(logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 
         return route_triton(logits, top_k, scoring == "sigmoid", renormalize, bias)
     return route_reference(logits, top_k, scoring, renormalize, bias)
+
+
+def _gate_on_gpu(x: torch.Tensor, gate: QuantWeight, bias: torch.Tensor | None) -> bool:
+    from freetoken.kernels.triton.route import GATE_TOKENS  # lazy: needs triton
+
+    g = gate.data
+    return (x.dim() == 2 and x.shape[0] <= GATE_TOKENS and x.stride(-1) == 1
+            and gate.is_float and gate.scale2 is None and g.is_cuda and g.dtype == x.dtype
+            and g.stride(-1) == 1 and _on_gpu(x.new_empty(0, g.shape[0]), bias))
+
+
+def gate_topk(x: torch.Tensor, gate: QuantWeight, top_k: int, scoring: str = "softmax",
+              renormalize: bool = True, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE router from hidden states: x [T, H] -> route_topk of the logits x @ gate^T,
+    computed in x's dtype as `linear` (and HF) computes them. On CUDA at decode sizes (a float
+    router weight, up to GATE_TOKENS tokens) one launch computes the logits and routes; the
+    unfused path runs three (GEMM, cast, route)."""
+    if x.shape[-1] != gate.in_features:
+        raise ValueError(f"gate_topk: x [..., {x.shape[-1]}] does not fit router weight "
+                         f"{list(gate.shape)}")
+    if x.is_cuda and _gate_on_gpu(x, gate, None if scoring == "softmax" else bias):
+        from freetoken.kernels.triton.route import gate_route_triton
+
+        _check(x.new_empty(0, gate.out_features), top_k, scoring, bias)
+        return gate_route_triton(x, gate.data, top_k, scoring == "sigmoid", renormalize,
+                                 None if scoring == "softmax" else bias)
+    from freetoken.kernels.linear import linear
+
+    return route_topk(linear(x, gate).float(), top_k, scoring, renormalize, bias)

@@ -19,6 +19,7 @@ from torch import nn
 
 from freetoken.formats.errors import FormatError
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels.route import gate_topk
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import GatedMLP
 from freetoken.moe.backends import get_backend
@@ -161,7 +162,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.e_score_correction_bias.value if self.spec.scoring == "sigmoid" else None
-        ids, w = route(self.router_logits(x), self.spec, bias)
+        s = self.spec  # router GEMV and top-k: one launch at decode sizes on CUDA
+        ids, w = gate_topk(x, self.gate.weights[0], s.top_k, s.scoring, s.renormalize, bias)
         y = self.experts(x, ids, w)
         if self.spec.shared_intermediate:
             sh = self.shared_expert(x)

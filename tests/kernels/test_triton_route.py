@@ -1,5 +1,8 @@
 """Triton MoE router (scores, top-k, renormalisation in one program per token) against float64
-math and the torch reference `freetoken.kernels.route.route_reference`.
+math and the torch reference `freetoken.kernels.route.route_reference`; the fused router GEMV
++ route (`gate_route_triton`, `gate_topk`) likewise, from hidden states whose logits are the
+same well-separated grids (fp32: the logits' sums differ from float64 by ~H eps, far below the
+grid's gaps).
 
 Without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1); with CUDA the
 same cases run compiled, plus the entry point. Expert ids must equal the float64 top-k in
@@ -20,8 +23,9 @@ if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (
 
 pytest.importorskip("triton")
 
-from freetoken.kernels.route import route_reference, route_topk  # noqa: E402
-from freetoken.kernels.triton.route import route_triton  # noqa: E402
+from freetoken.formats.qweight import QuantWeight  # noqa: E402
+from freetoken.kernels.route import gate_topk, route_reference, route_topk  # noqa: E402
+from freetoken.kernels.triton.route import gate_route_triton, route_triton  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -93,6 +97,48 @@ def test_checks() -> None:
         route_topk(torch.zeros(1, 8), 2, "relu")
     with pytest.raises(ValueError, match="top_k"):
         route_topk(torch.zeros(1, 8), 9)
+
+
+def _gate_case(t: int, e: int, h: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [t, h], gate [e, h] with x @ gate^T = _logits(t, e) up to ~1e-5: token i is mostly
+    the unit vector i, and gate's column i holds token i's logits."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.eye(t, h) + torch.randn(t, h, generator=gen) * 1e-3
+    gate = torch.randn(e, h, generator=gen) * 1e-3
+    gate[:, :t] = _logits(t, e, seed).T
+    return x, gate
+
+
+@pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True)])
+def test_gate_route(scoring: str, with_bias: bool) -> None:
+    t, e, h, k = 3, 60, 96, 4  # 60 experts: a partial last block of 8
+    x, gate = _gate_case(t, e, h, seed=21)
+    bias = torch.rand(e, generator=torch.Generator().manual_seed(2)) * 0.01 if with_bias \
+        else None
+    logits = x.double() @ gate.double().T
+    want = _ref64(logits, k, scoring, True, bias)
+    dbias = bias.to(DEV) if bias is not None else None
+    for _ in range(2):  # the arrival counters are back at zero after a call
+        ids, w = gate_route_triton(x.to(DEV), gate.to(DEV), k, scoring == "sigmoid", True,
+                                   dbias)
+        _check(ids, w, want)
+    # the entry point: fused on CUDA, the reference GEMV + route elsewhere
+    ids, w = gate_topk(x.to(DEV), QuantWeight(gate.to(DEV), "f32", (e, h)), k, scoring, True,
+                       dbias)
+    _check(ids, w, want)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gate_topk_bf16_cuda() -> None:
+    """bf16 as the models run it: ids equal to the unfused path (cuBLAS GEMM, cast, route);
+    weights within 4%: a logit rounded to bf16 (spacing 2^-6 below 4) may land one unit apart
+    after another summation order, e^(2^-6) - 1 = 1.6% per weight, doubled by the sum."""
+    x, gate = _gate_case(16, 128, 2048, seed=3)
+    x, gate = x.cuda().bfloat16(), gate.cuda().bfloat16()
+    ids, w = gate_topk(x, QuantWeight(gate, "bf16", tuple(gate.shape)), 8)
+    ref_ids, ref_w = route_topk((x @ gate.T).float(), 8)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=0.04, atol=0)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

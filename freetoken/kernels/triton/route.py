@@ -1,10 +1,17 @@
-"""MoE router on the GPU: scores, top-k and renormalisation of one token in one program.
+"""MoE router on the GPU: scores, top-k and renormalisation of one token in one program, and
+the router's GEMV fused in front of them for decode.
 
 softmax scoring: p = softmax(logits), the k largest p (largest first), optionally divided by
 their sum. sigmoid scoring: p = sigmoid(logits), experts chosen by the k largest p + bias,
 weights p of the chosen (without the bias), optionally renormalised. Ties go to the lower
 expert id. One launch per layer where torch runs five to seven (cast, softmax, top-k's sort
 and gather, sum, divide).
+
+`gate_route_triton` also computes the logits (x @ W^T of the float router weight, fp32 sums,
+rounded to x's dtype as `F.linear` returns them): the experts are split over several programs
+per token (one program reading the whole weight would take microseconds), and the last of a
+token's programs to finish (an atomic counter, which it resets for the next call: CUDA-graph
+safe) scores the token. One launch where the unfused path runs three (GEMM, cast, route).
 """
 
 from __future__ import annotations
@@ -15,13 +22,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, SIGMOID: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
-    ok = e < E
-    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+def _route_row(x, e, ok, t, bias_ptr, ids_ptr, w_ptr, SIGMOID: tl.constexpr,
+               HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Route token t from its fp32 logits x [BLOCK_E] (-inf where not `ok`)."""
     if SIGMOID:
         p = tl.sigmoid(x)
         choice = p
@@ -49,19 +53,106 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, SIGMOID: tl
     tl.store(w_ptr + t * TOPK + kk, ws, mask=kmask)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, SIGMOID: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    _route_row(x, e, ok, t, bias_ptr, ids_ptr, w_ptr, SIGMOID, HAS_BIAS, RENORM, TOPK,
+               BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _gate_route_kernel(x_ptr, g_ptr, logits_ptr, count_ptr, bias_ptr, ids_ptr, w_ptr, E,
+                       stride_x, stride_g, H: tl.constexpr, SIGMOID: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BE: tl.constexpr,
+                       BK: tl.constexpr):
+    """Program (t, b): logits of experts [b BE, (b + 1) BE) for token t into logits [T, E]
+    (fp32 scratch); the token's last program routes it."""
+    t = tl.program_id(0).to(tl.int64)
+    eb = tl.program_id(1) * BE + tl.arange(0, BE)
+    eb_ok = eb < E
+    acc = tl.zeros((BE,), dtype=tl.float32)
+    for k0 in tl.range(0, H, BK):
+        k = k0 + tl.arange(0, BK)
+        k_ok = k < H
+        g = tl.load(g_ptr + eb[:, None].to(tl.int64) * stride_g + k[None, :],
+                    mask=eb_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.sum(g * xv[None, :], axis=1)
+    logit = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # F.linear's output dtype (HF)
+    tl.store(logits_ptr + t * E + eb, logit, mask=eb_ok)
+    # All threads' stores, then one release (cumulative over the barrier): the program that
+    # counts last sees every program's logits.
+    tl.debug_barrier()
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) - 1:
+        tl.store(count_ptr + t, 0)
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf"),
+                    cache_modifier=".cg")  # from L2: other SMs wrote them
+        _route_row(x, e, ok, t, bias_ptr, ids_ptr, w_ptr, SIGMOID, HAS_BIAS, RENORM, TOPK,
+                   BLOCK_E, BLOCK_K)
+
+
+def _outputs(t: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty((t, top_k), dtype=torch.int64, device=device),
+            torch.empty((t, top_k), dtype=torch.float32, device=device))
+
+
+def _warps(block_e: int) -> int:
+    return 1 if block_e <= 256 else 4
+
+
 def route_triton(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: bool,
                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (unit stride in E), bias fp32 [E] or None -> (ids int64 [T, k],
     weights fp32 [T, k]). Checked by `freetoken.kernels.route`."""
     t, e = logits.shape
-    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
-    w = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    ids, w = _outputs(t, top_k, logits.device)
     if t == 0:
         return ids, w
     block_e = triton.next_power_of_2(e)
     _route_kernel[(t,)](
         logits, bias if bias is not None else logits, ids, w, e, logits.stride(0),
         SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renormalize, TOPK=top_k,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=1 if block_e <= 256 else 4)
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=_warps(block_e))
+    return ids, w
+
+
+# Per-device arrival counters of the fused kernel, one per token, kept at zero between calls.
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+GATE_TOKENS = 64  # the fused kernel's token limit (decode); more tokens run GEMM + route
+
+
+def _counts(device: torch.device) -> torch.Tensor:
+    c = _COUNTS.get(device)
+    if c is None:
+        c = _COUNTS[device] = torch.zeros(GATE_TOKENS, dtype=torch.int32, device=device)
+    return c
+
+
+def gate_route_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, sigmoid: bool,
+                      renormalize: bool, bias: torch.Tensor | None,
+                      be: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (T <= GATE_TOKENS, unit stride in H), gate [E, H] float (unit stride in H),
+    bias fp32 [E] or None -> route_triton's (ids, weights) of the logits x @ gate^T in x's
+    dtype. `be` experts per program. Checked by `freetoken.kernels.route`."""
+    t, h = x.shape
+    e = gate.shape[0]
+    ids, w = _outputs(t, top_k, x.device)
+    if t == 0:
+        return ids, w
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    block_e = triton.next_power_of_2(e)
+    _gate_route_kernel[(t, triton.cdiv(e, be))](
+        x, gate, logits, _counts(x.device), bias if bias is not None else logits, ids, w, e,
+        x.stride(0), gate.stride(0), H=h, SIGMOID=sigmoid, HAS_BIAS=bias is not None,
+        RENORM=renormalize, TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        BE=be, BK=min(1024, triton.next_power_of_2(h)), num_warps=4)
     return ids, w
