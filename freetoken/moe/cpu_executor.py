@@ -279,16 +279,20 @@ class CpuMoeExecutor:
                      threads or self.num_threads)
         return out
 
-    def dequant_rows(self, w: QuantWeight, expert: int, r0: int, r1: int) -> torch.Tensor:
+    def dequant_rows(self, w: QuantWeight, expert: int, r0: int, r1: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows [r0, r1) of W[expert] as fp32 [r1 - r0, K], decoded on the pool's threads, bit
         for bit gguf-py's dequantize (GGUF types) and the format definitions (the others): the
-        prefill path's "decode a tile, torch.mm"."""
+        prefill path's "decode a tile, torch.mm". `out`: a contiguous fp32 [r1 - r0, K] tensor
+        to write into (a reused buffer skips the page faults of a fresh one), else a new one."""
         bank = make_bank(w, "w")
         E, N, K = w.shape
         _need(0 <= expert < E, f"expert must be in [0, {E}), got {expert}")
         _need(0 <= r0 <= r1 <= N, f"rows [r0, r1) must satisfy 0 <= r0 <= r1 <= {N}, got "
               f"[{r0}, {r1})")
-        out = torch.empty(r1 - r0, K, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(r1 - r0, K, dtype=torch.float32)
+        _check_tensor(out, "out", torch.float32, (r1 - r0, K))
         if r1 > r0:
             self._ex.dequant(bank, expert, r0, r1, out.data_ptr())
         return out

@@ -125,6 +125,7 @@ def test_dequant_rows_bit_exact_gguf(qtype, tier: str):
     for r0, r1 in [(0, N), (3, 29), (7, 7)]:
         got = ex.dequant_rows(w, 0, r0, r1)
         assert got.shape == (r1 - r0, K)
+        assert ex.dequant_rows(w, 0, r0, r1, out=torch.full((r1 - r0, K), 7.0)).equal(got)
         assert np.array_equal(bits(got.numpy()), bits(ref[r0:r1])), f"{qtype.name} {tier} {r0}:{r1}"
 
 
@@ -166,6 +167,8 @@ def test_dequant_rows_checks_rows():
         ex.dequant_rows(as_weight(raw, Q.Q5_0, 64), 0, 5, N + 1)
     with pytest.raises(ValueError, match="expert"):
         ex.dequant_rows(as_weight(raw, Q.Q5_0, 64), 1, 0, 1)
+    with pytest.raises(ValueError, match="out: shape"):
+        ex.dequant_rows(as_weight(raw, Q.Q5_0, 64), 0, 0, 2, out=torch.empty(3, 64))
 
 
 if __name__ == "__main__":
