@@ -96,7 +96,10 @@ def test_new_format_dot_vs_float64(qtype, tier: str):
         parts = np.abs(W - min_terms(raw, qtype)) + np.abs(min_terms(raw, qtype))
         x = torch.from_numpy(rng.standard_normal((5, K)).astype(np.float32))  # token groups 4 + 1
         x[0, :32] = 0  # an all-zero activation block
-        out = ex.expert_matmul(as_weight(raw, qtype, K), 0, x).numpy().astype(np.float64)
+        w = as_weight(raw, qtype, K)
+        out = ex.expert_matmul(w, 0, x)
+        assert torch.equal(out, ex.expert_matmul(w, 0, x, threads=1))  # thread-count invariant
+        out = out.numpy().astype(np.float64)
         for t in range(5):
             q, d = quant_int8_blocks(x[t].numpy(), 32)
             a = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32)
