@@ -337,8 +337,9 @@ struct Mxfp4Blk : PlainDot {
 // with one gather and their token factors d * da with one multiply, and pass each block its
 // factor and offset seed by one lane broadcast each: per block that is about 11 instructions
 // instead of 17 (the scalar fp16 scale, its product and broadcast, the seed built from a
-// scalar): 1 core, L2, K = 896, T = 1, Q4_0 8.6 -> 9.2 GB/s, Q4_1 (mins per block on scalar
-// chains before) 7.8 -> 10.3. The mins: one FMA per 8 blocks. A last group of n < 8 blocks
+// scalar): 1 core, L2, T = 1, Q4_0 9.2 -> 9.8 GB/s at K = 896 and 9.8 -> 10.7 at K = 4864 (the
+// two builds alternated); Q4_1, its mins per block on scalar chains before, went from 0.9x
+// Q4_0's rate to 1.1x. The mins: one FMA per 8 blocks. A last group of n < 8 blocks
 // masks its gathers and loads (zero lanes: their factors and mins are 0).
 template <class Dp, class Blk, int NT>
 static inline void block32_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
