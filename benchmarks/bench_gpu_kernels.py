@@ -209,6 +209,24 @@ def sweep_split(hbm: float) -> None:
     print(f"(HBM copy {hbm:.0f} GB/s)")
 
 
+def bench_router(e: int = 128, h: int = 2048) -> None:
+    """The MoE router at 1 and 16 tokens: the fused gate GEMV + top-k (experts per program,
+    warps) against the unfused path (bf16 GEMM, cast, route kernel)."""
+    from freetoken.kernels.route import route_topk
+    from freetoken.kernels.triton.route import gate_route_triton
+
+    gate = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    for t in (1, 16):
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        _, g = time_call(lambda x=x: route_topk((x @ gate.T).float(), 8))
+        cells = [f"unfused {g * 1e3:.1f} us"]
+        for be, w in ((8, 4), (4, 1), (2, 1), (1, 1), (4, 2), (2, 2)):
+            _, g = time_call(lambda x=x, be=be, w=w: gate_route_triton(x, gate, 8, False, True,
+                                                                        None, be, w))
+            cells.append(f"fused be={be} w={w} {g * 1e3:.1f} us")
+        print(f"router {t:2d} tokens: " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="nvfp4,Q4_K,Q8_0s,Q8_0,Q6_K,mxfp4,MXFP4,fp8_block,bf16")
@@ -216,7 +234,11 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,16,512")
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--sweep", default="", help="formats whose GEMV tiles to sweep first")
+    p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     a = p.parse_args()
+    if a.router:
+        bench_router()
+        return
     hbm = hbm_copy_gbs()
     print(f"HBM copy (read + write): {hbm:.0f} GB/s  ({torch.cuda.get_device_name()})")
     for fmt in filter(None, a.sweep.split(",")):
