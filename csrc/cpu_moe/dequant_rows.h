@@ -149,7 +149,8 @@ static void dequant_f16(const Bank& w, int64_t e, int64_t r, float* out) {
   const uint16_t* p = reinterpret_cast<const uint16_t*>(w.row(e, r));
   int64_t i = 0;
   for (; i + 8 <= w.K; i += 8)
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
   for (; i < w.K; ++i) out[i] = _cvtsh_ss(p[i]);
 #else
   dequant_segs<decode_f16_seg>(w, e, r, out);
