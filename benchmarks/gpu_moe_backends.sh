@@ -70,12 +70,16 @@ if [ "$mode" != full ]; then
   fi
 fi
 if [ "$mode" != smoke ]; then
-  sweep q4k_30b "$full_limit" qwen3-30b-a3b q4_k offload,cpu,hybrid 0.1,0.25 1,2,3,4 16 \
+  sweep q4k_30b "$full_limit" qwen3-30b-a3b q4_k offload,cpu,hybrid 0.1,0.25 1,2,3,4 12 \
     --prompt-lens 512,2048
-  sweep nvfp4_35b "$full_limit" qwen3.6-35b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 16 \
+  sweep nvfp4_35b "$full_limit" qwen3.6-35b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 12 \
     --prompt-lens 512,2048
-  sweep nvfp4_30b "$full_limit" qwen3-30b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 16 \
+  sweep nvfp4_30b "$full_limit" qwen3-30b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 12 \
     --prompt-lens 512,2048
 fi
 rm -f "$out"/*-trace*.json  # the tables are in the .txt files; traces are large
+grep -h "FAILED\|Error\|passed\|failed" "$out/tests.txt" 2>/dev/null | head -20
 grep -h -A12 "^batch\|^ prompt\|^step\|exit" "$out"/*.txt | cut -c1-160 | tail -n 150
+# one archive: the device tool brings back only a few files
+tar -czf /tmp/gpu_moe_results.tgz -C "$out" . && rm -rf "${out:?}"/* && \
+  mv /tmp/gpu_moe_results.tgz "$out/results.tgz"
