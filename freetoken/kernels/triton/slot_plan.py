@@ -98,8 +98,8 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     """fetched int64 [2, n] for `SlotCache.plan` (see there); q: float64 [1] on the device
     (< 0: every miss), cap: the most to fetch. Route and fetch counts are compiled in as
     powers of two only: offload's later rounds plan other counts, and with the exact count
-    compiled in its batch-4 steps took 58 ms in a 2-layer smoke run (14 ms before the
-    kernel), most likely compiling."""
+    compiled in, its batch-4 steps in a 2-layer smoke run took 58 ms compiling (7.6 ms with
+    powers of two, 14 ms with the torch ops)."""
     E, S = cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     R = flat.numel()
