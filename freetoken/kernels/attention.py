@@ -94,34 +94,46 @@ def paged_attention(
     return out
 
 
+def _decode_plan(ctx: ForwardContext, page_size: int, window: int | None):
+    """(flat KV slots [B * n], n, additive mask [B, 1, 1, n] or None) of a decode step: each
+    sequence's last min(len, window) positions, padded to the longest (pads read slot 0 and
+    are masked). Made once per step and window, shared by the layers (ctx.memo)."""
+    key = ("cpu_decode", window)
+    plan = ctx.memo.get(key)
+    if plan is None:
+        _, lens, _ = ctx.host_lists()
+        seq = torch.tensor(lens)[:, None]
+        first = (seq - window).clamp(min=0) if window is not None else torch.zeros_like(seq)
+        n = int((seq - first).max())
+        pos = first + torch.arange(n)[None, :]  # [B, n]
+        valid = pos < seq
+        pos = torch.where(valid, pos, 0)
+        slots = ctx.page_table.long().gather(1, pos // page_size) * page_size + pos % page_size
+        mask = None
+        if not bool(valid.all()):
+            mask = torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))[:, None, None, :]
+        plan = ctx.memo[key] = (slots.reshape(-1), n, mask)
+    return plan
+
+
 def _decode(q, cache, ctx: ForwardContext, scale: float, window: int | None,
             softcap: float | None) -> torch.Tensor:
     """One query token per sequence, all sequences at once (no loop over them): each
-    sequence's pages gathered to the batch's longest length, the tail masked."""
-    _, lens, _ = ctx.host_lists()
-    B, ps, (n_kv, d) = len(lens), cache.shape[2], cache.shape[-2:]
-    n_pages = -(-max(lens) // ps)
-    kv = cache[:, ctx.page_table[:, :n_pages].long()]  # [2, B, n_pages, ps, n_kv, d]
-    kv = kv.reshape(2, B, n_pages * ps, n_kv, d).transpose(2, 3)  # [2, B, n_kv, L, d]
-    key = ("decode_mask", window)
-    mask = ctx.memo.get(key)
-    if mask is None:  # [B, 1, 1, L]: positions 0 .. len - 1, within the window
-        j = torch.arange(n_pages * ps)
-        seq = torch.tensor(lens)[:, None]
-        ok = j[None, :] < seq
-        if window is not None:
-            ok &= seq - 1 - j[None, :] < window
-        mask = ctx.memo[key] = ok[:, None, None, :]
-    qb = q.reshape(B, q.shape[1], 1, d).float()  # [B, Hq, 1, d]
-    k, v = kv[0].float(), kv[1].float()
+    sequence's KV rows gathered to the batch's longest span (_decode_plan)."""
+    B, n_q, d = q.shape
+    n_kv = cache.shape[-2]
+    slots, n, mask = _decode_plan(ctx, cache.shape[2], window)
+    kv = cache.view(2, -1, n_kv, d).index_select(1, slots)  # [2, B * n, n_kv, d]
+    k, v = kv.view(2, B, n, n_kv, d).transpose(2, 3).float().unbind(0)  # [B, n_kv, n, d]
+    qb = q.reshape(B, n_q, 1, d).float()
     if softcap is None:
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
-                                           enable_gqa=q.shape[1] != n_kv)
+                                           enable_gqa=n_q != n_kv)
     else:
-        rep = q.shape[1] // n_kv
+        rep = n_q // n_kv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.tanh(qb @ k.transpose(-1, -2) * (scale / softcap)) * softcap
-        o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        o = torch.softmax(s if mask is None else s + mask, dim=-1) @ v
     return o.reshape(q.shape).to(q.dtype)
 
 

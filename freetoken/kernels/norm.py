@@ -17,6 +17,12 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (xf * weight).to(x.dtype)
 
 
+def _cpu_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """fp32 CPU tensors: torch's fused rms_norm (one op, the same formula in fp32; a decode step
+    runs dozens of norms, and the reference's seven ops each cost a dispatch)."""
+    return not x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
     d = x.shape[-1]
     if weight.shape != (d,):
@@ -41,6 +47,8 @@ def _on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight fp32 [D] -> [..., D] in x's dtype."""
     _check(x, weight, None)
+    if _cpu_f32(x, weight):
+        return torch.rms_norm(x, weight.shape, weight, eps)
     if not _on_gpu(x, weight):
         return rms_norm_reference(x, weight, eps)
     from freetoken.kernels.triton.norm import rms_norm_triton  # lazy: needs triton
@@ -53,6 +61,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
     _check(x, weight, residual)
+    if _cpu_f32(x, weight):
+        s = x + residual
+        return torch.rms_norm(s, weight.shape, weight, eps), s
     if not _on_gpu(x, weight):
         s = x + residual
         return rms_norm_reference(s, weight, eps), s

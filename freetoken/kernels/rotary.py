@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels.norm import rms_norm_reference
+from freetoken.kernels.norm import rms_norm
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -16,6 +16,19 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     half = xf.shape[-1] // 2
     rot = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
     return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
+
+
+_signed_sin: list = [None, None]  # (sin, [-sin1, sin2]): the last step's table, shared by layers
+
+
+def _rotary_cpu_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotary_reference for fp32 CPU tensors in four ops, bit for bit (a decode step runs two a
+    layer, and each op costs a dispatch): x * cos + [x2, x1] * [-sin1, sin2]."""
+    h = x.shape[-1] // 2
+    if _signed_sin[0] is not sin:  # every layer of a step passes the same table
+        _signed_sin[:] = [sin, torch.cat([-sin[:, :h], sin[:, h:]], dim=-1)[:, None, :]]
+    swapped = torch.cat([x[..., h:], x[..., :h]], dim=-1)
+    return swapped.mul_(_signed_sin[1]).add_(x * cos[:, None, :])
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -55,5 +68,7 @@ def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
         return qk_rope_triton(q, k, cos, sin, q_weight, k_weight, eps)
     if q_weight is not None:
-        q, k = rms_norm_reference(q, q_weight, eps), rms_norm_reference(k, k_weight, eps)
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    if not q.is_cuda and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32:
+        return _rotary_cpu_f32(q, cos, sin), _rotary_cpu_f32(k, cos, sin)
     return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
