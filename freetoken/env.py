@@ -42,6 +42,13 @@ def cpu_moe_hugepages() -> bool:
         "0", "false", "no", "off")
 
 
+def cpu_float() -> bool:
+    """FREETOKEN_CPU_FLOAT=1: quantized linears and MoE layers on the CPU in float math at every
+    batch size (fp32 tiles decoded from the weights, torch's GEMM; transformers' numbers), not
+    the executor's int8 dots at decode sizes (llama.cpp's numbers, several times faster)."""
+    return _flag("FREETOKEN_CPU_FLOAT")
+
+
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None

@@ -20,6 +20,7 @@ import torch
 
 from freetoken.engine.context import ForwardContext
 from freetoken.engine.scheduler import ScheduledBatch
+from freetoken.kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class ModelRunner:
             self.states = alloc_states(model.state_shapes(), num_state_slots + 1, device)
             self.free_slots = list(range(num_state_slots - 1, -1, -1))
         self.graphs = None
+        if self.device.type == "cpu":
+            cpu_linear.executor()  # its pool takes torch's thread count now, not a decode step's
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
             self._capture(cuda_graph_max_bs, max_model_len or num_pages * page_size)
 
@@ -105,6 +108,9 @@ class ModelRunner:
         ctx, input_ids = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, ctx)
+        if self.device.type == "cpu" and ctx.is_decode:
+            with cpu_linear.torch_threads(1):
+                return self.run_model(input_ids, ctx)
         return self.run_model(input_ids, ctx)
 
     def run_model(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

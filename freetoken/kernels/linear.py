@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels.cpu_linear import cpu_embedding, cpu_linear
 
 log = logging.getLogger(__name__)
 _FLOAT_FMT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -82,7 +83,7 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -
 
         y = triton_linear(x, qw)
     else:
-        y = _quant_linear(x, qw)
+        y = _cpu_quant_linear(x, qw)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y
@@ -95,6 +96,26 @@ def _on_gpu(x: torch.Tensor, qw: QuantWeight) -> bool:
     from freetoken.kernels.triton.formats import format_id  # no triton import
 
     return format_id(qw) is not None
+
+
+def linear_reference(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """`linear` (no bias) in torch's float math on the CPU: the weight dequantized in row
+    tiles, an fp32 matmul. The oracle of the executor's tests and of the MoE reference."""
+    if qw.is_float:
+        y = F.linear(x, qw.data.to(x.dtype))
+        return y if qw.scale2 is None else apply_scale2(y.float(), qw.scale2).to(x.dtype)
+    return _quant_linear(x, qw)
+
+
+def _cpu_quant_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """CPU: the C++ executor's kernels where it reads the format (`freetoken.kernels.
+    cpu_linear`), else this module's reference."""
+    y = cpu_linear(x, qw) if not x.is_cuda else None
+    if y is None:
+        return _quant_linear(x, qw)
+    if qw.scale2 is not None:
+        y = apply_scale2(y, qw.scale2)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _quant_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
@@ -125,6 +146,10 @@ def embedding(ids: torch.Tensor, qw: QuantWeight, dtype: torch.dtype) -> torch.T
         from freetoken.kernels.triton.linear import triton_embedding
 
         return triton_embedding(ids, qw, dtype)
+    if flat.device.type == "cpu" and qw.data.device.type == "cpu":
+        rows = cpu_embedding(flat, qw)
+        if rows is not None:
+            return apply_scale2(rows, qw.scale2).to(dtype).reshape(*ids.shape, qw.in_features)
     scales = qw.scales
     if scales is not None:
         if qw.fmt == "fp8_block":  # rare: dequantize whole 128-row blocks, then pick

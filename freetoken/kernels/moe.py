@@ -12,14 +12,19 @@ Slot indirection: with `expert_map` (int32 `[E]`) the bank is a pool of slots (`
 a route whose expert maps to -1 contributes nothing (another path, the CPU, computes it).
 CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.moe`), which check the same
 shapes but never read device values back to the host (the step may be a CUDA graph); a bank
-format without a kernel takes this torch path on the GPU too (with its host syncs).
+format without a kernel takes this torch path on the GPU too (with its host syncs). On the CPU,
+up to `cpu_linear.dot_tokens()` tokens (decode) of a bank in the executor's layout (no
+`expert_map`: slot pools interleave their parts) go to the C++ executor's int8 dots
+(`freetoken.kernels.cpu_linear.cpu_fused_moe`), as dense layers do; more tokens (prefill),
+slot pools and formats it has no kernel for take this torch path in float math.
 """
 
 from __future__ import annotations
 
 import torch
 
-from freetoken.kernels.linear import linear
+from freetoken.kernels import cpu_linear
+from freetoken.kernels.linear import linear, linear_reference
 from freetoken.moe.banks import ExpertBank, expert_weight
 from freetoken.moe.reference import glu
 
@@ -73,12 +78,17 @@ def fused_moe(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
 
         if supported(bank):
             return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
-    return _fused_moe_torch(x, bank, topk_ids, topk_weights, activation, expert_map)
+    if not x.is_cuda and expert_map is None and x.shape[0] <= cpu_linear.dot_tokens():
+        y = cpu_linear.cpu_fused_moe(x, bank, topk_ids, topk_weights, activation)
+        if y is not None:
+            return y
+    return fused_moe_reference(x, bank, topk_ids, topk_weights, activation, expert_map)
 
 
-def _fused_moe_torch(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
-                     topk_weights: torch.Tensor, activation: str,
-                     expert_map: torch.Tensor | None) -> torch.Tensor:
+def fused_moe_reference(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, activation: str = "silu",
+                        expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path of `fused_moe` (float math; the oracle of the kernels' tests)."""
     xf = x.float()
     out = torch.zeros(x.shape[0], bank.hidden, dtype=torch.float32, device=x.device)
     inter = bank.intermediate
@@ -94,14 +104,15 @@ def _fused_moe_torch(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     tokens = routes // k  # [n] token of each sorted route
     route = topk_weights.reshape(-1)[routes].float()
     s = bank.scales
+    lin = linear if x.is_cuda else linear_reference  # the CPU's linear would take the executor
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         tok, r = tokens[start:start + n], route[start:start + n]
         start += n
-        h = linear(xf[tok], expert_weight(bank.w13, e)).float()  # [n, 2I]
+        h = lin(xf[tok], expert_weight(bank.w13, e)).float()  # [n, 2I]
         a = glu(h[:, :inter] * s[e, 0], h[:, inter:] * s[e, 1], activation)  # [n, I]
-        y = linear(a, expert_weight(bank.w2, e)).float() * s[e, 2]  # [n, H]
+        y = lin(a, expert_weight(bank.w2, e)).float() * s[e, 2]  # [n, H]
         out.index_add_(0, tok, y * r[:, None])
     return out.to(x.dtype)

@@ -79,6 +79,28 @@ def prefill_logits(model, token_lists: list[list[int]], page_size: int = 16) -> 
     return list(logits.split([len(t) for t in token_lists]))
 
 
+def decode_logits(model, prompts: list[list[int]], continuations: list[list[int]],
+                  page_size: int = 16) -> list[torch.Tensor]:
+    """Teacher-forced logits [len(c), V] (fp32) of each continuation c, the way the engine
+    decodes: the prompts prefilled in one forward, then one token per sequence per step (every
+    sequence in one batch; all continuations have the same length)."""
+    n = len(continuations[0])
+    assert all(len(c) == n for c in continuations), "continuations of one length"
+    dev = model.model.norm.weight.device
+    lens = [len(p) + n for p in prompts]
+    kv = SimpleKV(model.kv_cache_shapes(), pages_needed(lens, page_size), page_size,
+                  dtype=_model_dtype(model), device=dev)
+    states = None
+    out = []
+    for j in range(n):
+        feed = prompts if j == 0 else [[c[j - 1]] for c in continuations]
+        ctx = kv.context([(i, len(f)) for i, f in enumerate(feed)])
+        states = attach_states(model, ctx, len(feed), states)
+        ids = torch.tensor([t for f in feed for t in f], dtype=torch.int64, device=dev)
+        out.append(model.compute_logits(model(ids, ctx)[ctx.logits_indices]).float())
+    return list(torch.stack(out, dim=1))  # per sequence [n, V]
+
+
 def attach_states(model, ctx: ForwardContext, num_seqs: int, states=None) -> list:
     """Recurrent-state pools for hybrid models (qwen3.5): sequence i uses slot i. Pass the
     returned pools back in on later steps of the same sequences."""

@@ -66,6 +66,16 @@ def _ext():
     return _cpu_moe
 
 
+def extension_available() -> bool:
+    """Whether the C++ extension is built in this install (the dense CPU kernels fall back to
+    the torch reference without it; the MoE backends say what is missing)."""
+    try:
+        _ext()
+    except RuntimeError:
+        return False
+    return True
+
+
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14
 

@@ -6,6 +6,8 @@ to 0 (such a route is computed elsewhere, so it must add nothing). The pool hold
 in a shuffled order plus slots of garbage that no expert maps to. Tolerance 1e-5 of max
 |reference|: fp32 accumulation over K <= 128 against float64 (the same bound as the plain
 bank's test in tests/moe/test_banks.py). The CUDA path runs the same cases (skipped without CUDA).
+On the CPU, FREETOKEN_CPU_FLOAT=1 keeps the plain bank's calls on this torch path too (the
+executor's int8 dots would take them at these sizes; tests/moe covers those).
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from freetoken.moe.reference import moe_reference
 
 E, SLOTS, H, INTER, TOPK = 6, 9, 128, 64, 3
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def float_math_on_the_cpu(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CPU_FLOAT", "1")
 
 
 def _q8_0(gen: torch.Generator, e: int, n: int, k: int) -> QuantWeight:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import triton_cases as cases  # noqa: E402
 
 from freetoken.formats.dequant import dequantize  # noqa: E402
-from freetoken.kernels.linear import embedding, linear  # noqa: E402
+from freetoken.kernels.linear import _quant_linear, embedding, linear  # noqa: E402
 from freetoken.kernels.triton.linear import triton_embedding, triton_linear  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -61,7 +61,7 @@ def test_triton_linear_matches_reference(fmt):
         y = triton_linear(x.to(DEV), qd, tiles)
         _check(y, x, w, qw.scale2)
         # the oracle itself: the torch path agrees with float64 within the same bound
-        _check(linear(x, qw), x, w, qw.scale2)
+        _check(_quant_linear(x, qw), x, w, qw.scale2)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")

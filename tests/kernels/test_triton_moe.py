@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import triton_cases as cases  # noqa: E402
 
 from freetoken.formats.dequant import dequantize  # noqa: E402
-from freetoken.kernels.moe import fused_moe  # noqa: E402
+from freetoken.kernels.moe import fused_moe, fused_moe_reference  # noqa: E402
 from freetoken.kernels.triton.moe import _align, fused_moe_triton  # noqa: E402
 from freetoken.moe.banks import ExpertBank  # noqa: E402
 from freetoken.moe.reference import glu  # noqa: E402
@@ -94,7 +94,7 @@ CASES = [("nvfp4", "nvfp4", 1, "silu", (1, 64, 256, 4)),
 @pytest.mark.parametrize("f13,f2,tokens,act,tiles", CASES)
 def test_triton_moe_matches_reference(f13, f2, tokens, act, tiles):
     bank, x, ids, w, emap, ref, mag = _case(f13, f2, tokens, act, tokens * 31 + len(f13))
-    _check(fused_moe(x, bank, ids, w, act, emap), ref, mag, True)  # the oracle, on the CPU
+    _check(fused_moe_reference(x, bank, ids, w, act, emap), ref, mag, True)  # the CPU oracle
     dev_bank = ExpertBank(cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV),
                           bank.scales.to(DEV))
     y = fused_moe_triton(x.to(DEV), dev_bank, ids.to(DEV), w.to(DEV), act, emap.to(DEV),

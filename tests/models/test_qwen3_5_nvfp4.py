@@ -74,8 +74,12 @@ def test_logits_match_dequantized_reference(case, kind):
     assert err > 100 * TOL
 
 
-def test_greedy_hf_and_gguf_identical(case):
-    """A plain greedy loop over each model, and the engine's offline LLM on each file."""
+def test_greedy_hf_and_gguf_identical(case, monkeypatch):
+    """A plain greedy loop over each model, and the engine's offline LLM on each file. In
+    float math (FREETOKEN_CPU_FLOAT=1): the GGUF orders the V heads its own way, so the CPU's
+    int8 decode dots would quantize the out projection's input in other blocks of 32 than on
+    the HF side, and a near-tie of this random model could go either way."""
+    monkeypatch.setenv("FREETOKEN_CPU_FLOAT", "1")
     arch, paths, _, _ = case
     prompt = tq.prompts(1)[0]
     tmoe.assert_greedy_hf_gguf_identical(arch, paths, prompt, N_TOKENS)

@@ -1,9 +1,11 @@
 """The offload, cpu and hybrid MoE backends against fused, on the tiny MoE models, the CPU
 standing in as the device.
 
-Reference: the fused backend (the torch reference kernel, every expert resident) on the same
-loaded model. The dense weights are dequantized to fp32 once before decoding (in every run
-alike: only the routed experts differ between backends), which keeps 32 tokens cheap.
+Reference: the fused backend (the torch reference kernel, every expert resident; the CPU's
+int8 dots, which fused would take at decode sizes, are switched off here by
+FREETOKEN_CPU_FLOAT=1) on the same loaded model. The dense weights are dequantized to fp32
+once before decoding (in every run alike: only the routed experts differ between backends),
+which keeps 32 tokens cheap.
 
 - offload computes with the same torch kernel from slots, in another order of experts: the
   same greedy tokens, 32 of them, batch 1 and 4.
@@ -45,6 +47,14 @@ TOKENS = 32
 # expert, scale or double-counted route moves logits by O(range); test_moe_llamacpp.py allows
 # a quarter.
 QUANT_TOL = 0.15
+
+
+@pytest.fixture(autouse=True)
+def torch_reference_kernels(monkeypatch):
+    """fused and the slot paths in the same float math (see the module docstring)."""
+    monkeypatch.setenv("FREETOKEN_CPU_FLOAT", "1")
+
+
 PROMPTS = [[1, 450, 3000, 77, 900], [1, 12, 7000], [1, 3333, 44, 5], [1, 808, 9000, 21, 3, 64]]
 
 

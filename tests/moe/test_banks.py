@@ -1,6 +1,6 @@
 """Expert banks and the fused MoE entry point.
 
-- `fused_moe` (torch, fp32) against a float64 reference written here from the contract
+- `fused_moe`'s torch path (`fused_moe_reference`, fp32) against a float64 reference written here from the contract
   (`y[t] = sum_j r * (glu(x Wg^T s_gate, x Wu^T s_up) @ Wd^T s_down)`) with weights from the
   NVFP4 definition (cpu_moe_cases.nvfp4_f64) or gguf-py's numpy `gguf.quants` (Q8_0), random
   positive scales far from 1, silu and gelu_tanh, batches 1, 3 and 8. Tolerance 1e-5 of
@@ -24,7 +24,7 @@ import cpu_moe_cases as cases  # noqa: E402
 
 from freetoken.formats.errors import FormatError  # noqa: E402
 from freetoken.formats.qweight import QuantWeight  # noqa: E402
-from freetoken.kernels.moe import fused_moe  # noqa: E402
+from freetoken.kernels.moe import fused_moe, fused_moe_reference  # noqa: E402
 from freetoken.moe.banks import (  # noqa: E402
     ExpertBank,
     bank_from_merged,
@@ -78,13 +78,13 @@ def test_fused_moe_matches_float64(fmt, act, batch):
     x = torch.randn(batch, H, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(batch)])
     w = torch.softmax(torch.randn(batch, K, generator=gen), -1)
-    y = fused_moe(x, bank, ids, w, act).double().numpy()
+    y = fused_moe_reference(x, bank, ids, w, act).double().numpy()
     ref = _reference(x, ids, w, r13, r2, bank.scales, act)
     err = np.abs(y - ref).max() / np.abs(ref).max()
     print(f"{fmt} {act} batch {batch}: {err:.2e}")
     assert err <= TOL
     bank.scales.fill_(1.0)  # dropping the scales must show
-    y1 = fused_moe(x, bank, ids, w, act).double().numpy()
+    y1 = fused_moe_reference(x, bank, ids, w, act).double().numpy()
     assert np.abs(y1 - ref).max() / np.abs(ref).max() > 0.5
 
 

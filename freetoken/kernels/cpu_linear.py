@@ -1,0 +1,152 @@
+"""The CPU paths of `linear` and `fused_moe`: the C++ executor's kernels, in place.
+
+A dense `[N, K]` weight is an expert bank with one expert, so the CPU MoE executor
+(`freetoken.moe.cpu_executor`, csrc/cpu_moe) computes it with the same SIMD tiers, thread pool
+and ISA switches as the experts (one copy of every kernel):
+
+- up to `DOT_TOKENS` tokens (decode): the int8 dots read the quantized bytes once per call
+  (activations quantized per block of 32, as llama.cpp does), `y = x @ W^T` straight into the
+  output;
+- more tokens (prefill): rows are decoded to fp32 tiles by the executor (bit-identical to the
+  codecs) and multiplied by torch's GEMM, which is faster than the dots at that size.
+
+`cpu_fused_moe` hands a whole MoE layer of a decode step to the executor (its int8 dots, the
+GLU and the weighted sum, one pool run per layer).
+
+Weights the executor does not read (a format without a kernel there, or no C++ extension in
+this install) return None from `cpu_linear`, and the caller takes the torch reference path.
+The executor is one per process, with torch's thread count at its creation (the CPU runner
+creates it at start-up, after `torch.set_num_threads`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+
+from freetoken import env
+from freetoken.formats.qweight import QuantWeight
+
+# At most this many tokens go through the int8 dots; more decode fp32 tiles for torch.mm.
+# Measured on a 2-core AVX-512 VNNI VM ([4864, 1792] Q4_K / Q8_0): the dots' int8 work per
+# token is constant, torch's fp32 GEMM amortises the tile decode from a few dozen tokens on.
+DOT_TOKENS = 16
+# Rows decoded per tile for the GEMM path: about 4 MiB of fp32, so a tile is still in L2/L3
+# when the GEMM reads it.
+TILE_ELEMS = 1 << 20
+
+
+
+def dot_tokens() -> int:
+    """Most tokens a call hands to the int8 dots (0 under FREETOKEN_CPU_FLOAT=1)."""
+    return 0 if env.cpu_float() else DOT_TOKENS
+
+
+_lock = threading.Lock()
+_executor = None
+_banks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNSUPPORTED = object()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to n inside (restored after). A CPU decode step runs its
+    weights on the executor's pool and only small torch ops between them: with torch's own
+    threads awake too, the two runtimes' idle spinning took each other's cores (SmolLM2 decode,
+    2 cores: 2 tokens/s with two torch threads, 51 with one)."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def executor():
+    """The process's executor for dense layers (created on first use)."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            from freetoken.moe.cpu_executor import CpuMoeExecutor
+
+            _executor = CpuMoeExecutor(max(1, torch.get_num_threads()))
+        return _executor
+
+
+def _bank(qw: QuantWeight):
+    """The executor's description of `qw` as a one-expert bank (cached per weight), or
+    _UNSUPPORTED when the executor has no kernel for its format."""
+    bank = _banks.get(qw, None)
+    if bank is None:
+        from freetoken.moe.cpu_executor import extension_available, make_bank
+        from freetoken.moe.host_banks import executor_reads
+
+        if (qw.fmt == "fp8_block" or not executor_reads(qw) or qw.data.device.type != "cpu"
+                or not extension_available()):
+            bank = _UNSUPPORTED
+        else:
+            one = QuantWeight(qw.data.unsqueeze(0), qw.fmt, (1, *qw.shape),
+                              scales=None if qw.scales is None else qw.scales.unsqueeze(0),
+                              ggml_type=qw.ggml_type, source=qw.source)
+            # the view keeps the storage alive as long as the weight is
+            bank = (make_bank(one, qw.source or "weight"), one)
+        _banks[qw] = bank
+    return bank
+
+
+def cpu_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
+    """x [..., K] @ W^T (fp32, before scale2) for a quantized CPU weight, or None when the
+    executor has no kernel for its format. (Kept lean: a decode step calls it ~100 times.)"""
+    bank = _banks.get(qw) or _bank(qw)
+    if bank is _UNSUPPORTED:
+        return None
+    K, N = qw.in_features, qw.out_features
+    xf = x if x.dim() == 2 else x.reshape(-1, K)
+    if xf.dtype != torch.float32 or not xf.is_contiguous():
+        xf = xf.float().contiguous()
+    T = xf.shape[0]
+    ex = _executor or executor()
+    out = torch.empty(T, N, dtype=torch.float32)
+    if T <= dot_tokens():
+        ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), ex.num_threads)
+    else:
+        step = max(64, TILE_ELEMS // K // 64 * 64)
+        for s in range(0, N, step):
+            e = min(N, s + step)
+            w = ex.dequant_rows(bank[1], 0, s, e)
+            out[:, s:e] = xf @ w.T
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], N)
+
+
+def cpu_embedding(flat: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
+    """Rows `flat` of a quantized CPU table as fp32 [n, K] (before scale2), decoded by the
+    executor (bit for bit the codecs), or None when it has no kernel for the format."""
+    if _bank(qw) is _UNSUPPORTED:
+        return None
+    scales = None if qw.scales is None else qw.scales.index_select(0, flat).unsqueeze(0)
+    rows = QuantWeight(qw.data.index_select(0, flat).unsqueeze(0), qw.fmt,
+                       (1, flat.numel(), qw.in_features), scales=scales,
+                       ggml_type=qw.ggml_type, source=qw.source)
+    return executor().dequant_rows(rows, 0, 0, flat.numel())
+
+
+def cpu_fused_moe(x: torch.Tensor, bank, ids: torch.Tensor, weights: torch.Tensor,
+                  activation: str) -> torch.Tensor | None:
+    """`fused_moe` of CPU tensors by the executor, or None when it has no kernel for the
+    bank's formats or the bank is not in its layout (contiguous [E, N, K] parts)."""
+    from freetoken.moe.cpu_executor import extension_available
+    from freetoken.moe.host_banks import executor_reads
+
+    parts = (bank.w13, bank.w2)
+    if not (all(executor_reads(w) and w.data.is_contiguous() for w in parts)
+            and extension_available()):
+        return None
+    y = executor().forward(x.float().contiguous(), ids, weights.float().contiguous(),
+                           bank.w13, bank.w2, bank.scales, activation)
+    return y.to(x.dtype)

@@ -1,0 +1,88 @@
+"""`linear` on the CPU for quantized weights: the C++ executor's kernels (kernels/cpu_linear.py).
+
+- Up to DOT_TOKENS tokens the executor's int8 dot runs: the result must be exactly what the
+  executor computes for the same bytes as a one-expert bank (its kernels are checked against
+  float64 in tests/moe/test_cpu_moe_formats.py), times scale2, plus the bias.
+- More tokens decode fp32 tiles (bit-identical to gguf-py's dequantize) for torch's GEMM: the
+  float64 product of the dequantized weight within fp32 rounding, K * 2^-23 * (|x| @ |W|^T)
+  (a sum of K products, each rounded once, plus the accumulation: the usual a-priori bound of
+  a length-K fp32 dot, with room for a blocked GEMM's order).
+- Formats the executor has no kernel for take the torch reference.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels import cpu_linear, linear
+from freetoken.moe.cpu_executor import CpuMoeExecutor
+
+Q = gguf.GGMLQuantizationType
+KINDS = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
+
+
+# byte offsets of each block's fp16 scale fields: set to sane values, every other byte random
+FP16_FIELDS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+
+
+def _weight(kind, n: int, k: int, seed: int) -> tuple[QuantWeight, np.ndarray]:
+    """Random valid blocks and their float64 values by gguf-py's dequantize."""
+    rng = np.random.default_rng(seed)
+    bs, bb = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (n, k // bs, bb), dtype=np.uint8)
+    for off in FP16_FIELDS[kind]:
+        d = (rng.random((n, k // bs)) * 0.02 + 1e-3).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(n, k // bs, 2)
+    raw = raw.reshape(n, -1)
+    qw = QuantWeight(torch.from_numpy(raw), "gguf", (n, k), ggml_type=int(kind), source="w")
+    return qw, gguf.quants.dequantize(raw, kind).astype(np.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_decode_path_is_the_executor_dot(kind):
+    qw, _ = _weight(kind, 96, 512, seed=int(kind))
+    qw.scale2 = torch.rand(96, generator=torch.Generator().manual_seed(1)) + 0.5
+    bias = torch.randn(96, generator=torch.Generator().manual_seed(2))
+    one = QuantWeight(qw.data.unsqueeze(0), "gguf", (1, 96, 512), ggml_type=qw.ggml_type)
+    ex = CpuMoeExecutor(cpu_linear.executor().num_threads)
+    for shape in ((1,), (3,), (2, 3), (cpu_linear.DOT_TOKENS,)):  # leading dims of x
+        x = torch.randn(*shape, 512, generator=torch.Generator().manual_seed(len(shape)))
+        y = linear(x, qw, bias)
+        ref = ex.expert_matmul(one, 0, x.reshape(-1, 512)) * qw.scale2 + bias
+        assert y.shape == (*shape, 96)
+        assert torch.equal(y.reshape(-1, 96), ref)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_prefill_path_is_fp32_math(kind):
+    n, k, T = 200, 512, cpu_linear.DOT_TOKENS + 24
+    qw, w = _weight(kind, n, k, seed=7 + int(kind))
+    x = torch.randn(T, k, generator=torch.Generator().manual_seed(3))
+    y = linear(x, qw).double().numpy()
+    xd = x.double().numpy()
+    err = np.abs(y - xd @ w.T)
+    bound = k * 2.0**-23 * (np.abs(xd) @ np.abs(w).T)
+    assert np.all(err <= bound), f"max err / bound {(err / bound).max():.2f}"
+
+
+def test_tiles_of_the_prefill_path(monkeypatch):
+    qw, _ = _weight(Q.Q4_K, 300, 256, seed=5)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
+    whole = linear(x, qw)
+    monkeypatch.setattr(cpu_linear, "TILE_ELEMS", 64 * 256)  # five tiles of 64 rows, one of 44
+    assert torch.equal(linear(x, qw), whole)
+
+
+def test_format_without_executor_kernel_takes_the_reference():
+    from freetoken.kernels.linear import _quant_linear
+
+    g = torch.Generator().manual_seed(6)
+    data = torch.randn(256, 256, generator=g).to(torch.float8_e4m3fn)
+    qw = QuantWeight(data, "fp8_block", (256, 256), scales=torch.rand(2, 2, generator=g) + 0.5)
+    x = torch.randn(2, 256, generator=g)
+    assert cpu_linear.cpu_linear(x, qw) is None
+    assert torch.equal(linear(x, qw), _quant_linear(x, qw))
