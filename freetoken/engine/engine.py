@@ -88,6 +88,9 @@ class Engine:
                                   config.max_running_requests if hybrid else 0,
                                   max_model_len=self.max_model_len,
                                   cuda_graph_max_bs=self._graph_max_bs(config))
+        # The expert-cache backends' host work (the executor's pool, the hand-offs) runs
+        # inside the forward: torch's own CPU threads stay out of its way during decode.
+        self.runner.single_thread_decode |= self.moe is not None
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._lock = threading.RLock()

@@ -73,6 +73,9 @@ class ModelRunner:
             self.states = alloc_states(model.state_shapes(), num_state_slots + 1, device)
             self.free_slots = list(range(num_state_slots - 1, -1, -1))
         self.graphs = None
+        # Decode steps with torch's intra-op threads at 1 (cpu_linear.torch_threads): on the
+        # CPU the weights run on the executor's pool between small torch ops.
+        self.single_thread_decode = self.device.type == "cpu"
         if self.device.type == "cpu":
             cpu_linear.executor()  # its pool takes torch's thread count now, not a decode step's
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
@@ -108,7 +111,7 @@ class ModelRunner:
         ctx, input_ids = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, ctx)
-        if self.device.type == "cpu" and ctx.is_decode:
+        if self.single_thread_decode and ctx.is_decode:
             with cpu_linear.torch_threads(1):
                 return self.run_model(input_ids, ctx)
         return self.run_model(input_ids, ctx)
