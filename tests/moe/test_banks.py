@@ -1,10 +1,10 @@
 """Expert banks and the fused MoE entry point.
 
-- `fused_moe`'s torch path (`fused_moe_reference`, fp32) against a float64 reference written here from the contract
-  (`y[t] = sum_j r * (glu(x Wg^T s_gate, x Wu^T s_up) @ Wd^T s_down)`) with weights from the
-  NVFP4 definition (cpu_moe_cases.nvfp4_f64) or gguf-py's numpy `gguf.quants` (Q8_0), random
-  positive scales far from 1, silu and gelu_tanh, batches 1, 3 and 8. Tolerance 1e-5 of
-  max |reference|: fp32 accumulation over K <= 256 against float64.
+- `fused_moe`'s torch path (`fused_moe_reference`, fp32) against a float64 reference written
+  here from the contract (`y[t] = sum_j r * (glu(x Wg^T s_gate, x Wu^T s_up) @ Wd^T s_down)`)
+  with weights from the NVFP4 definition (cpu_moe_cases.nvfp4_f64) or gguf-py's numpy
+  `gguf.quants` (Q8_0), random positive scales far from 1, silu and gelu_tanh, batches 1, 3
+  and 8. Tolerance 1e-5 of max |reference|: fp32 accumulation over K <= 256 against float64.
 - stacking per-expert weights and building banks: shapes, scales columns (gate, up, down, 1),
   and the errors for mixed formats, bad shapes and per-expert scales on a merged gate+up.
 """
