@@ -22,8 +22,7 @@ from freetoken.engine.context import ForwardContext
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store k, v [T, n_kv, d] at flat slots [T] (page * page_size + offset)."""
     flat = cache.view(2, -1, *cache.shape[-2:])  # [2, pages * page_size, n_kv, d]
-    flat[0].index_copy_(0, slots, k.to(cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(cache.dtype))
+    flat.index_copy_(1, slots, torch.stack([k, v]).to(cache.dtype))  # one copy for K and V
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
@@ -124,8 +123,10 @@ def _decode(q, cache, ctx: ForwardContext, scale: float, window: int | None,
     n_kv = cache.shape[-2]
     slots, n, mask = _decode_plan(ctx, cache.shape[2], window)
     kv = cache.view(2, -1, n_kv, d).index_select(1, slots)  # [2, B * n, n_kv, d]
-    k, v = kv.view(2, B, n, n_kv, d).transpose(2, 3).float().unbind(0)  # [B, n_kv, n, d]
-    qb = q.reshape(B, n_q, 1, d).float()
+    kv = kv.view(2, B, n, n_kv, d).transpose(2, 3)  # [2, B, n_kv, n, d]
+    k, v = (kv if kv.dtype == torch.float32 else kv.float()).unbind(0)
+    qb = q.reshape(B, n_q, 1, d)
+    qb = qb if qb.dtype == torch.float32 else qb.float()
     if softcap is None:
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=n_q != n_kv)
@@ -134,7 +135,8 @@ def _decode(q, cache, ctx: ForwardContext, scale: float, window: int | None,
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.tanh(qb @ k.transpose(-1, -2) * (scale / softcap)) * softcap
         o = torch.softmax(s if mask is None else s + mask, dim=-1) @ v
-    return o.reshape(q.shape).to(q.dtype)
+    o = o.reshape(q.shape)
+    return o if o.dtype == q.dtype else o.to(q.dtype)
 
 
 def paged_attention_triton(

@@ -34,6 +34,10 @@ from freetoken.formats.qweight import QuantWeight
 # Measured on a 2-core AVX-512 VNNI VM ([4864, 1792] Q4_K / Q8_0): the dots' int8 work per
 # token is constant, torch's fp32 GEMM amortises the tile decode from a few dozen tokens on.
 DOT_TOKENS = 16
+# A dot over fewer weight bytes (times tokens, up to 4) runs on the calling thread alone: waking
+# the pool cost more than the second core saved (SmolLM2's shapes, Q4_1, one token, 2 cores:
+# 345 KB 31 us on one thread vs 45 on two; 553 KB 40 vs 23).
+ONE_THREAD_BYTES = 448 << 10
 # Rows decoded per tile for the GEMM path: about 4 MiB of fp32, so a tile is still in L2/L3
 # when the GEMM reads it.
 TILE_ELEMS = 1 << 20
@@ -97,7 +101,7 @@ def _bank(qw: QuantWeight):
                               scales=None if qw.scales is None else qw.scales.unsqueeze(0),
                               ggml_type=qw.ggml_type, source=qw.source)
             # the view keeps the storage alive as long as the weight is
-            bank = (make_bank(one, qw.source or "weight"), one)
+            bank = (make_bank(one, qw.source or "weight"), one, qw.nbytes())
         _banks[qw] = bank
     return bank
 
@@ -128,7 +132,8 @@ def cpu_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
     ex = _executor or executor()
     out = torch.empty(T, N, dtype=torch.float32)
     if T <= dot_tokens():
-        ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), ex.num_threads)
+        threads = 1 if bank[2] * min(T, 4) < ONE_THREAD_BYTES else ex.num_threads
+        ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), threads)
     else:
         step = max(64, TILE_ELEMS // K // 64 * 64)
         tile = _scratch(min(N, step) * K)
@@ -137,6 +142,26 @@ def cpu_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
             w = ex.dequant_rows(bank[1], 0, s, e, out=tile[:(e - s) * K].view(e - s, K))
             out[:, s:e] = xf @ w.T
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], N)
+
+
+_ACT = {"silu": 0, "gelu_tanh": 1}
+
+
+def cpu_glu(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:
+    """act(gate) * up of one token's fp32 [1, 2 * inter] gate_up output, in place by the
+    executor's GLU (one call where torch takes three ops), or None when it cannot (several
+    tokens, another dtype or activation, no extension)."""
+    if (gu.shape[0] != 1 or gu.dtype != torch.float32 or gu.is_cuda or act not in _ACT
+            or not gu.is_contiguous()):
+        return None
+    if _executor is None:
+        from freetoken.moe.cpu_executor import extension_available
+
+        if not extension_available():
+            return None
+    p = gu.data_ptr()
+    (_executor or executor())._ex.glu(p, p + 4 * inter, inter, 1.0, 1.0, _ACT[act])
+    return gu[:, :inter]
 
 
 def cpu_embedding(flat: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:

@@ -18,17 +18,19 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return (xf * cos[:, None, :] + rot * sin[:, None, :]).to(x.dtype)
 
 
-_signed_sin: list = [None, None]  # (sin, [-sin1, sin2]): the last step's table, shared by layers
+# (sin, [-sin1, sin2], cos, cos) as [T, 1, d]: the last step's tables, shared by its layers
+_signed_sin: list = [None, None, None, None]
 
 
 def _rotary_cpu_f32(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """rotary_reference for fp32 CPU tensors in four ops, bit for bit (a decode step runs two a
     layer, and each op costs a dispatch): x * cos + [x2, x1] * [-sin1, sin2]."""
     h = x.shape[-1] // 2
-    if _signed_sin[0] is not sin:  # every layer of a step passes the same table
-        _signed_sin[:] = [sin, torch.cat([-sin[:, :h], sin[:, h:]], dim=-1)[:, None, :]]
-    swapped = torch.cat([x[..., h:], x[..., :h]], dim=-1)
-    return swapped.mul_(_signed_sin[1]).add_(x * cos[:, None, :])
+    if _signed_sin[0] is not sin or _signed_sin[2] is not cos:  # the same tables every layer
+        _signed_sin[:] = [sin, torch.cat([-sin[:, :h], sin[:, h:]], dim=-1)[:, None, :], cos,
+                          cos[:, None, :]]
+    swapped = x.roll(h, dims=-1)  # [x2, x1]
+    return swapped.mul_(_signed_sin[1]).add_(x * _signed_sin[3])
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -70,5 +72,12 @@ def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     if not q.is_cuda and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32:
+        hq, d = q.shape[1], q.shape[2]
+        if ((q.shape[0] == 1 or q.stride(0) == k.stride(0)) and q.stride()[1:] == (d, 1)
+                and k.stride()[1:] == (d, 1)
+                and k.data_ptr() == q.data_ptr() + hq * d * 4):  # k's heads follow q's (qkv)
+            qk = _rotary_cpu_f32(q.as_strided((q.shape[0], hq + k.shape[1], d), q.stride()),
+                                 cos, sin)
+            return qk[:, :hq], qk[:, hq:]
         return _rotary_cpu_f32(q, cos, sin), _rotary_cpu_f32(k, cos, sin)
     return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)

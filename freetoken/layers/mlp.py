@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from freetoken.kernels.cpu_linear import cpu_glu
 from freetoken.layers.linear import Linear
 
 ACTIVATIONS = {
@@ -23,9 +24,12 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, {"gate_proj": intermediate, "up_proj": intermediate})
         self.down_proj = Linear(intermediate, hidden)
-        self.act = ACTIVATIONS[act]
+        self.act, self.act_name = ACTIVATIONS[act], act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]
-        g, u = gu.split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(g) * u)
+        a = cpu_glu(gu, self.intermediate, self.act_name)  # one token on the CPU: one call
+        if a is None:
+            g, u = gu.split(self.intermediate, dim=-1)
+            a = self.act(g) * u
+        return self.down_proj(a)

@@ -86,3 +86,17 @@ def test_format_without_executor_kernel_takes_the_reference():
     x = torch.randn(2, 256, generator=g)
     assert cpu_linear.cpu_linear(x, qw) is None
     assert torch.equal(linear(x, qw), _quant_linear(x, qw))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_glu_of_one_token(act):
+    """The executor's GLU (polynomial exp, ~1 ulp) against float64, as tight as torch's."""
+    import torch.nn.functional as F
+
+    gu = torch.randn(1, 2 * 320, generator=torch.Generator().manual_seed(8)) * 4
+    g, u = gu[:, :320].double(), gu[:, 320:].double()
+    ref = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
+    out = cpu_linear.cpu_glu(gu.clone(), 320, act)
+    assert out.shape == (1, 320)
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
+    assert cpu_linear.cpu_glu(torch.randn(2, 640), 320, act) is None  # one token only

@@ -111,3 +111,21 @@ def test_paged_attention_chunked_prefill_and_decode(window, softcap):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_qk_rope_of_qkv_views_is_the_reference(tokens):
+    """q and k split from one qkv output (the CPU path ropes them as one tensor) and apart."""
+    from freetoken.kernels import qk_rope
+    from freetoken.kernels.rotary import rotary_reference
+
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 16, generator=g)
+    q, k, _ = qkv.split([64, 32, 32], dim=-1)
+    q, k = q.reshape(tokens, 4, 16), k.reshape(tokens, 2, 16)
+    ang = torch.rand(tokens, 8, generator=g) * 10
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    for qq, kk in ((q, k), (q.clone(), k.clone())):
+        qo, ko = qk_rope(qq, kk, cos, sin)
+        assert torch.equal(qo, rotary_reference(qq, cos, sin))
+        assert torch.equal(ko, rotary_reference(kk, cos, sin))
