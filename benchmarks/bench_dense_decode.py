@@ -2,10 +2,10 @@
 
 For each real model: the same prompt, greedy, the same thread count. Decode speed is measured
 the same way for both: time(prompt + 1 + N tokens) - time(prompt + 1 token), divided by N, so
-prefill and start-up cancel out. Prompt processing: the same `--prompt-len` token ids (the
-prompt's tokens repeated) through each, one token generated, best of `--repeat` runs, prompt
-tokens / seconds. llama.cpp comes from llama-cpp-python (skipped, with a note, where it is not
-installed).
+prefill and start-up cancel out; the best of `--repeat` such pairs. Prompt processing: the same
+`--prompt-len` token ids (the prompt's tokens repeated) through each, one token generated, best
+of `--repeat` runs, prompt tokens / seconds. llama.cpp comes from llama-cpp-python (skipped,
+with a note, where it is not installed).
 
     python benchmarks/bench_dense_decode.py [--tokens 16] [--threads 1] [--models a,b]
         [--prompt-len 512 (0: decode only)] [--repeat 3]
@@ -52,7 +52,8 @@ def freetoken_speed(path, n: int, prompt_len: int, repeat: int) -> tuple[float, 
             engine.step()
 
     run(2)  # warm-up
-    decode = n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+    decode = max(n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+                 for _ in range(repeat))
     if not prompt_len:
         return decode, None
     long = long_prompt(ids, prompt_len)
@@ -74,7 +75,8 @@ def llamacpp_speed(path, n: int, threads: int, prompt_len: int, repeat: int
         llm.create_completion(prompt, max_tokens=k, temperature=0, logit_bias=no_eos)
 
     run(2)
-    decode = n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+    decode = max(n / (_timed(lambda: run(n + 1)) - _timed(lambda: run(1)))
+                 for _ in range(repeat))
     if not prompt_len:
         return decode, None
     long = long_prompt(llm.tokenize(PROMPT.encode(), add_bos=False), prompt_len)

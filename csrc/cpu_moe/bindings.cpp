@@ -92,6 +92,33 @@ NB_MODULE(_cpu_moe, m) {
           [](const Executor& ex, uintptr_t g, uintptr_t u, int64_t n, float sg, float su,
              int act) { ex.glu(ptr<float>(g), ptr<const float>(u), n, sg, su, act); },
           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "rms_norm",
+          [](Executor& ex, uintptr_t x, uintptr_t res, uintptr_t w, int64_t rows, int64_t n,
+             float eps, uintptr_t y, uintptr_t sum) {
+            ex.rms_norm(ptr<const float>(x), ptr<const float>(res), ptr<const float>(w), rows,
+                        n, eps, ptr<float>(y), ptr<float>(sum));
+          },
+          nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "decode_attention",
+          [](Executor& ex, int64_t B, int64_t hq, int64_t hkv, int64_t d, uintptr_t qkv,
+             uintptr_t cos, uintptr_t sin, uintptr_t q_norm, uintptr_t k_norm, float eps,
+             uintptr_t cache, int64_t num_slots, int64_t page_size, uintptr_t slots,
+             uintptr_t page_table, int64_t pt_width, uintptr_t seq_lens, float scale,
+             float softcap, int64_t window, uintptr_t out) {
+            ft::DecodeAttnArgs a;
+            a.B = B, a.hq = hq, a.hkv = hkv, a.d = d, a.qkv = ptr<float>(qkv);
+            a.cos = ptr<const float>(cos), a.sin = ptr<const float>(sin);
+            a.q_norm = ptr<const float>(q_norm), a.k_norm = ptr<const float>(k_norm);
+            a.eps = eps, a.cache = ptr<float>(cache), a.num_slots = num_slots;
+            a.page_size = page_size, a.slots = ptr<const int64_t>(slots);
+            a.page_table = ptr<const int32_t>(page_table), a.pt_width = pt_width;
+            a.seq_lens = ptr<const int32_t>(seq_lens), a.scale = scale, a.softcap = softcap;
+            a.window = window, a.out = ptr<float>(out);
+            ex.decode_attention(a);
+          },
+          nb::call_guard<nb::gil_scoped_release>())
       .def("set_profiling", &Executor::set_profiling)
       .def("layer_profile",
            [](const Executor& ex) {

@@ -87,6 +87,26 @@ struct LayerProfile {
   int64_t items = 0;
 };
 
+// One decode step's attention block (decode_ops.cpp): B sequences, one token each.
+struct DecodeAttnArgs {
+  int64_t B = 0, hq = 0, hkv = 0, d = 0;
+  float* qkv = nullptr;          // [B, (hq + 2 hkv) d]: q, k normed and rotated in place
+  const float* cos = nullptr;    // [B, d]
+  const float* sin = nullptr;    // [B, d]
+  const float* q_norm = nullptr; // [d] per-head RMSNorm weights of q and k, or null
+  const float* k_norm = nullptr;
+  float eps = 1e-6f;
+  float* cache = nullptr;        // [2, num_slots, hkv, d] (pages x page_size slots)
+  int64_t num_slots = 0, page_size = 0;
+  const int64_t* slots = nullptr;     // [B] slot each token's k, v go to (< 0: none)
+  const int32_t* page_table = nullptr;  // [B, pt_width]
+  int64_t pt_width = 0;
+  const int32_t* seq_lens = nullptr;  // [B] lengths after this token
+  float scale = 1.0f, softcap = 0.0f;  // softcap 0: none
+  int64_t window = 0;                  // 0: none; else the last `window` positions
+  float* out = nullptr;                // [B, hq d]
+};
+
 class Executor {
  public:
   Executor(int num_threads, const std::string& isa, bool no_vnni, bool no_avx512vnni);
@@ -96,6 +116,12 @@ class Executor {
 
   // Throws std::invalid_argument on out-of-range expert ids. Not reentrant (one scratch).
   void forward(const LayerArgs& a);
+
+  // A decode step's small fp32 operations (decode_ops.cpp). rms_norm: y = norm(x + res)
+  // (sum written to `sum` when res is given) row by row; decode_attention: see DecodeAttnArgs.
+  void rms_norm(const float* x, const float* res, const float* w, int64_t rows, int64_t n,
+                float eps, float* y, float* sum);
+  void decode_attention(const DecodeAttnArgs& a);
 
   // Hooks for tests and the benchmark.
   // out[t, n] = x[t] . W[e, n] for all rows n of expert e (the tier's activation prep

@@ -164,6 +164,61 @@ def cpu_glu(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:
     return gu[:, :inter]
 
 
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(rms_norm(x [+ residual]), x + residual or None) of fp32 CPU rows in one executor call,
+    or None where it does not apply (the caller takes torch)."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.is_cuda
+            or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())):
+        return None
+    if _executor is None:
+        from freetoken.moe.cpu_executor import extension_available
+
+        if not extension_available():
+            return None
+    n = x.shape[-1]
+    y = torch.empty(x.shape, dtype=torch.float32)
+    s = None if residual is None else torch.empty(x.shape, dtype=torch.float32)
+    (_executor or executor())._ex.rms_norm(
+        x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+        x.numel() // n, n, eps, y.data_ptr(), 0 if s is None else s.data_ptr())
+    return y, s
+
+
+def cpu_decode_attention(qkv: torch.Tensor, spec, cache: torch.Tensor, ctx,
+                         rope: tuple[torch.Tensor, torch.Tensor],
+                         q_norm: torch.Tensor | None, k_norm: torch.Tensor | None
+                         ) -> torch.Tensor | None:
+    """A decode step's attention block for fp32 CPU tensors in one executor call: q/k per-head
+    RMSNorm, rotary, the KV store and attention over the paged cache (freetoken.layers.
+    attention's math). qkv [B, (Hq + 2 Hkv) d] is overwritten; returns [B, Hq d], or None
+    where this path does not apply (prefill, another dtype, no extension)."""
+    cos, sin = rope
+    tensors = (qkv, cache, cos, sin, ctx.page_table, ctx.seq_lens, ctx.slot_mapping)
+    if (qkv.is_cuda or not ctx.is_decode or qkv.dtype != torch.float32
+            or cache.dtype != torch.float32 or cos.dtype != torch.float32
+            or ctx.page_table.dtype != torch.int32 or ctx.seq_lens.dtype != torch.int32
+            or ctx.slot_mapping.dtype != torch.int64
+            or not all(t.is_contiguous() for t in tensors)):
+        return None
+    if _executor is None:
+        from freetoken.moe.cpu_executor import extension_available
+
+        if not extension_available():
+            return None
+    B, hq, hkv, d = qkv.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+    out = torch.empty(B, hq * d, dtype=torch.float32)
+    (_executor or executor())._ex.decode_attention(
+        B, hq, hkv, d, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        0 if q_norm is None else q_norm.data_ptr(), 0 if k_norm is None else k_norm.data_ptr(),
+        spec.norm_eps, cache.data_ptr(), cache.shape[1] * cache.shape[2], cache.shape[2],
+        ctx.slot_mapping.data_ptr(), ctx.page_table.data_ptr(), ctx.page_table.shape[1],
+        ctx.seq_lens.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0,
+        out.data_ptr())
+    return out
+
+
 def cpu_embedding(flat: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
     """Rows `flat` of a quantized CPU table as fp32 [n, K] (before scale2), decoded by the
     executor (bit for bit the codecs), or None when it has no kernel for the format."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.kernels.cpu_linear import cpu_rms_norm
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -18,8 +20,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def _cpu_f32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """fp32 CPU tensors: torch's fused rms_norm (one op, the same formula in fp32; a decode step
-    runs dozens of norms, and the reference's seven ops each cost a dispatch)."""
+    """fp32 CPU tensors: one call of the C++ executor's RMSNorm (with the residual add), else
+    torch's fused rms_norm; the same formula in fp32 (a decode step runs dozens of norms, and
+    the reference's seven ops each cost a dispatch)."""
     return not x.is_cuda and x.dtype == torch.float32 and weight.dtype == torch.float32
 
 
@@ -48,7 +51,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight fp32 [D] -> [..., D] in x's dtype."""
     _check(x, weight, None)
     if _cpu_f32(x, weight):
-        return torch.rms_norm(x, weight.shape, weight, eps)
+        r = cpu_rms_norm(x, weight, eps)
+        return r[0] if r is not None else torch.rms_norm(x, weight.shape, weight, eps)
     if not _on_gpu(x, weight):
         return rms_norm_reference(x, weight, eps)
     from freetoken.kernels.triton.norm import rms_norm_triton  # lazy: needs triton
@@ -62,6 +66,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """(rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
     _check(x, weight, residual)
     if _cpu_f32(x, weight):
+        r = cpu_rms_norm(x, weight, eps, residual)
+        if r is not None:
+            return r
         s = x + residual
         return torch.rms_norm(s, weight.shape, weight, eps), s
     if not _on_gpu(x, weight):

@@ -10,6 +10,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.engine.context import ForwardContext
+from freetoken.kernels.cpu_linear import cpu_decode_attention
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 
@@ -50,12 +51,17 @@ class Attention(nn.Module):
         self, x: torch.Tensor, ctx: ForwardContext, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         s = self.spec
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
+        # a CPU decode step: the whole block below in one call (fp32; None elsewhere)
+        o = cpu_decode_attention(qkv, s, ctx.kv_caches[self.layer_id], ctx, rope, *norms)
+        if o is not None:
+            return self.o_proj(o)
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.reshape(-1, s.num_heads, s.head_dim)  # [T, Hq, d]
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, d]
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         # q/k norm and rotary: one launch for both on the GPU (kernels/triton/rotary.py)
-        norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
         q, k = kernels.qk_rope(q, k, *rope, *norms, eps=s.norm_eps)
         o = kernels.paged_attention(
             q, k, v, ctx.kv_caches[self.layer_id], ctx,

@@ -100,3 +100,48 @@ def test_glu_of_one_token(act):
     assert out.shape == (1, 320)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
     assert cpu_linear.cpu_glu(torch.randn(2, 640), 320, act) is None  # one token only
+
+
+@pytest.mark.parametrize("window,softcap,qk_norm", [(None, None, False), (5, None, True),
+                                                    (None, 30.0, False)])
+def test_decode_attention_block_matches_the_torch_path(window, softcap, qk_norm):
+    """The one-call CPU decode attention (per-head q/k RMSNorm, rotary, KV store, attention over
+    scrambled pages) against the torch entry points on a copy of the cache: the stored K within
+    fp32 rounding of theirs (the same products and sums), V exactly, the output within 1e-5 of
+    its max (fp32 sums over at most 40 positions and 16 dims against another summation order)."""
+    from freetoken.kernels import paged_attention, qk_rope
+    from freetoken.layers.attention import AttentionSpec
+    from freetoken.models.testing import SimpleKV
+
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, lens = 4, 2, 16, [19, 7, 33]
+    spec = AttentionSpec(hidden_size=64, num_heads=hq, num_kv_heads=hkv, head_dim=d, scale=0.3,
+                         qk_norm=qk_norm, window=window, softcap=softcap)
+    kv = SimpleKV([(hkv, d)], num_pages=16, page_size=4)
+    ctx = kv.context([(i, n) for i, n in enumerate(lens)])  # the prompts, by the torch path
+    T = sum(lens)
+    paged_attention(torch.randn(T, hq, d, generator=g), torch.randn(T, hkv, d, generator=g),
+                    torch.randn(T, hkv, d, generator=g), kv.caches[0], ctx, scale=0.3)
+    ctx = kv.context([(i, 1) for i in range(len(lens))])  # one decode step
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g)
+    ang = torch.rand(len(lens), d // 2, generator=g) * 20
+    rope = (torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin())
+    wq, wk = (torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5)
+    norms = (wq, wk) if qk_norm else (None, None)
+
+    cache = kv.caches[0].clone()
+    q, k, v = qkv.clone().split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = (t.reshape(len(lens), -1, d) for t in (q, k, v))
+    q, k = qk_rope(q, k, *rope, *norms, eps=spec.norm_eps)
+    want = paged_attention(q, k, v, cache, ctx, scale=0.3, window=window, softcap=softcap)
+
+    got = cpu_linear.cpu_decode_attention(qkv, spec, kv.caches[0], ctx, rope, *norms)
+    assert got.shape == (len(lens), hq * d)
+    err = (got.reshape(want.shape) - want).abs().max() / want.abs().max()
+    assert float(err) < 1e-5
+    slots = ctx.slot_mapping
+    flat, ref = kv.caches[0].view(2, -1, hkv, d), cache.view(2, -1, hkv, d)
+    assert torch.equal(flat[1, slots], ref[1, slots])
+    assert torch.allclose(flat[0, slots], ref[0, slots], rtol=1e-6, atol=1e-6)
+    assert cpu_linear.cpu_decode_attention(qkv.double(), spec, kv.caches[0], ctx, rope,
+                                           *norms) is None  # fp32 only
