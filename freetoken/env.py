@@ -46,7 +46,8 @@ def cpu_float() -> bool:
     """FREETOKEN_CPU_FLOAT=1: quantized linears and MoE layers on the CPU in float math at every
     batch size (fp32 tiles decoded from the weights, torch's GEMM; transformers' numbers), not
     the executor's int8 dots at decode sizes (llama.cpp's numbers, several times faster)."""
-    return _flag("FREETOKEN_CPU_FLOAT")
+    v = os.environ.get("FREETOKEN_CPU_FLOAT")  # read on every CPU linear: the fast path first
+    return v is not None and _flag("FREETOKEN_CPU_FLOAT")
 
 
 def cache_dir() -> str | None:

@@ -34,10 +34,6 @@ from freetoken.formats.qweight import QuantWeight
 # Measured on a 2-core AVX-512 VNNI VM ([4864, 1792] Q4_K / Q8_0): the dots' int8 work per
 # token is constant, torch's fp32 GEMM amortises the tile decode from a few dozen tokens on.
 DOT_TOKENS = 16
-# A dot over fewer weight bytes (times tokens, up to 4) runs on the calling thread alone: waking
-# the pool cost more than the second core saved (SmolLM2's shapes, Q4_1, one token, 2 cores:
-# 345 KB 31 us on one thread vs 45 on two; 553 KB 40 vs 23).
-ONE_THREAD_BYTES = 448 << 10
 # Rows decoded per tile for the GEMM path: about 4 MiB of fp32, so a tile is still in L2/L3
 # when the GEMM reads it.
 TILE_ELEMS = 1 << 20
@@ -101,7 +97,7 @@ def _bank(qw: QuantWeight):
                               scales=None if qw.scales is None else qw.scales.unsqueeze(0),
                               ggml_type=qw.ggml_type, source=qw.source)
             # the view keeps the storage alive as long as the weight is
-            bank = (make_bank(one, qw.source or "weight"), one, qw.nbytes())
+            bank = (make_bank(one, qw.source or "weight"), one)
         _banks[qw] = bank
     return bank
 
@@ -132,8 +128,7 @@ def cpu_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
     ex = _executor or executor()
     out = torch.empty(T, N, dtype=torch.float32)
     if T <= dot_tokens():
-        threads = 1 if bank[2] * min(T, 4) < ONE_THREAD_BYTES else ex.num_threads
-        ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), threads)
+        ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), ex.num_threads)
     else:
         step = max(64, TILE_ELEMS // K // 64 * 64)
         tile = _scratch(min(N, step) * K)
