@@ -114,9 +114,10 @@ def _scratch(n: int) -> torch.Tensor:
     return _tile
 
 
-def cpu_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
+def cpu_linear(x: torch.Tensor, qw: QuantWeight, gemm: bool = False) -> torch.Tensor | None:
     """x [..., K] @ W^T (fp32, before scale2) for a quantized CPU weight, or None when the
-    executor has no kernel for its format. (Kept lean: a decode step calls it ~100 times.)"""
+    executor has no kernel for its format. `gemm`: float math (decoded tiles, torch's GEMM)
+    at any token count. (Kept lean: a decode step calls it ~100 times.)"""
     bank = _banks.get(qw) or _bank(qw)
     if bank is _UNSUPPORTED:
         return None
@@ -127,7 +128,7 @@ def cpu_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:
     T = xf.shape[0]
     ex = _executor or executor()
     out = torch.empty(T, N, dtype=torch.float32)
-    if T <= dot_tokens():
+    if T <= dot_tokens() and not gemm:
         ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), ex.num_threads)
     else:
         step = max(64, TILE_ELEMS // K // 64 * 64)

@@ -107,6 +107,17 @@ def linear_reference(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return _quant_linear(x, qw)
 
 
+def linear_float(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """`linear` (no bias) in float math on the CPU at any token count: the executor's row
+    decoder (bit for bit the codecs) and torch's GEMM where it reads the format, else
+    `linear_reference` (the MoE layers' prefill, and their oracle)."""
+    if not x.is_cuda and not qw.is_float:
+        y = cpu_linear(x, qw, gemm=True)
+        if y is not None:
+            return apply_scale2(y, qw.scale2).to(x.dtype)
+    return linear_reference(x, qw)
+
+
 def _cpu_quant_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     """CPU: the C++ executor's kernels where it reads the format (`freetoken.kernels.
     cpu_linear`), else this module's reference."""

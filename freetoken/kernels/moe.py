@@ -15,8 +15,9 @@ shapes but never read device values back to the host (the step may be a CUDA gra
 format without a kernel takes this torch path on the GPU too (with its host syncs). On the CPU,
 up to `cpu_linear.dot_tokens()` tokens (decode) of a bank in the executor's layout (no
 `expert_map`: slot pools interleave their parts) go to the C++ executor's int8 dots
-(`freetoken.kernels.cpu_linear.cpu_fused_moe`), as dense layers do; more tokens (prefill),
-slot pools and formats it has no kernel for take this torch path in float math.
+(`freetoken.kernels.cpu_linear.cpu_fused_moe`), as dense layers do; more tokens (prefill) and
+slot pools take this path in float math, each expert's rows decoded by the executor (bit for
+bit the codecs) for torch's GEMM; formats it has no kernel for, by the torch codecs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.kernels import cpu_linear
-from freetoken.kernels.linear import linear, linear_reference
+from freetoken.kernels.linear import linear, linear_float
 from freetoken.moe.banks import ExpertBank, expert_weight
 from freetoken.moe.reference import glu
 
@@ -104,7 +105,7 @@ def fused_moe_reference(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tenso
     tokens = routes // k  # [n] token of each sorted route
     route = topk_weights.reshape(-1)[routes].float()
     s = bank.scales
-    lin = linear if x.is_cuda else linear_reference  # the CPU's linear would take the executor
+    lin = linear if x.is_cuda else linear_float  # float math (the CPU's linear: int8 dots)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
