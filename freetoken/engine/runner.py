@@ -20,7 +20,7 @@ import torch
 
 from freetoken.engine.context import ForwardContext
 from freetoken.engine.scheduler import ScheduledBatch
-from freetoken.kernels import cpu_linear
+from freetoken.kernels import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +73,11 @@ class ModelRunner:
             self.states = alloc_states(model.state_shapes(), num_state_slots + 1, device)
             self.free_slots = list(range(num_state_slots - 1, -1, -1))
         self.graphs = None
-        # Decode steps with torch's intra-op threads at 1 (cpu_linear.torch_threads): on the
+        # Decode steps with torch's intra-op threads at 1 (cpu_kernels.torch_threads): on the
         # CPU the weights run on the executor's pool between small torch ops.
         self.single_thread_decode = self.device.type == "cpu"
         if self.device.type == "cpu":
-            cpu_linear.executor()  # its pool takes torch's thread count now, not a decode step's
+            cpu_kernels.executor()  # its pool takes torch's thread count now, not a decode step's
         if cuda_graph_max_bs > 0 and self.device.type == "cuda":
             self._capture(cuda_graph_max_bs, max_model_len or num_pages * page_size)
 
@@ -112,7 +112,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, ctx)
         if self.single_thread_decode and ctx.is_decode:
-            with cpu_linear.torch_threads(1):
+            with cpu_kernels.torch_threads(1):
                 return self.run_model(input_ids, ctx)
         return self.run_model(input_ids, ctx)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.formats.qweight import QuantWeight
-from freetoken.kernels.cpu_linear import cpu_embedding, cpu_linear
+from freetoken.kernels.cpu_kernels import cpu_embedding, cpu_linear
 
 log = logging.getLogger(__name__)
 _FLOAT_FMT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -119,8 +119,8 @@ def linear_float(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
 
 
 def _cpu_quant_linear(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
-    """CPU: the C++ executor's kernels where it reads the format (`freetoken.kernels.
-    cpu_linear`), else this module's reference."""
+    """CPU: the C++ executor's kernels where it reads the format
+    (`freetoken.kernels.cpu_kernels.cpu_linear`), else this module's reference."""
     y = cpu_linear(x, qw) if not x.is_cuda else None
     if y is None:
         return _quant_linear(x, qw)

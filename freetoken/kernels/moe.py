@@ -13,9 +13,9 @@ a route whose expert maps to -1 contributes nothing (another path, the CPU, comp
 CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.moe`), which check the same
 shapes but never read device values back to the host (the step may be a CUDA graph); a bank
 format without a kernel takes this torch path on the GPU too (with its host syncs). On the CPU,
-up to `cpu_linear.dot_tokens()` tokens (decode) of a bank in the executor's layout (no
+up to `cpu_kernels.dot_tokens()` tokens (decode) of a bank in the executor's layout (no
 `expert_map`: slot pools interleave their parts) go to the C++ executor's int8 dots
-(`freetoken.kernels.cpu_linear.cpu_fused_moe`), as dense layers do; more tokens (prefill) and
+(`freetoken.kernels.cpu_kernels.cpu_fused_moe`), as dense layers do; more tokens (prefill) and
 slot pools take this path in float math, each expert's rows decoded by the executor (bit for
 bit the codecs) for torch's GEMM; formats it has no kernel for, by the torch codecs.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels import cpu_linear
+from freetoken.kernels import cpu_kernels
 from freetoken.kernels.linear import linear, linear_float
 from freetoken.moe.banks import ExpertBank, expert_weight
 from freetoken.moe.reference import glu
@@ -79,8 +79,8 @@ def fused_moe(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
 
         if supported(bank):
             return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
-    if not x.is_cuda and expert_map is None and x.shape[0] <= cpu_linear.dot_tokens():
-        y = cpu_linear.cpu_fused_moe(x, bank, topk_ids, topk_weights, activation)
+    if not x.is_cuda and expert_map is None and x.shape[0] <= cpu_kernels.dot_tokens():
+        y = cpu_kernels.cpu_fused_moe(x, bank, topk_ids, topk_weights, activation)
         if y is not None:
             return y
     return fused_moe_reference(x, bank, topk_ids, topk_weights, activation, expert_map)

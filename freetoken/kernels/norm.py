@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from freetoken.kernels.cpu_linear import cpu_rms_norm
+from freetoken.kernels.cpu_kernels import cpu_rms_norm
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.engine.context import ForwardContext
-from freetoken.kernels.cpu_linear import cpu_decode_attention
+from freetoken.kernels.cpu_kernels import cpu_decode_attention
 from freetoken.layers.linear import Linear
 from freetoken.layers.norm import RMSNorm
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from freetoken.kernels.cpu_linear import cpu_glu
+from freetoken.kernels.cpu_kernels import cpu_glu
 from freetoken.layers.linear import Linear
 
 ACTIVATIONS = {

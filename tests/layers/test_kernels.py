@@ -39,7 +39,7 @@ def test_linear_gguf_tiled(kind, monkeypatch):
     qw, w = _gguf_weight(kind, 384, 512)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     whole = linear_mod._quant_linear(x, qw)  # the torch reference (the CPU path's own test:
-    monkeypatch.setattr(linear_mod, "TILE_ELEMS", 128 * 512)  # tests/layers/test_cpu_linear.py)
+    monkeypatch.setattr(linear_mod, "TILE_ELEMS", 128 * 512)  # tests/layers/test_cpu_kernels.py)
     tiled = linear_mod._quant_linear(x, qw)  # three tiles of 128 rows
     ref = x.double() @ w.T
     assert torch.equal(whole, tiled)

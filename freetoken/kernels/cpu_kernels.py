@@ -1,4 +1,4 @@
-"""The CPU paths of `linear` and `fused_moe`: the C++ executor's kernels, in place.
+"""The CPU paths of the kernel entry points: the C++ executor's kernels, in place.
 
 A dense `[N, K]` weight is an expert bank with one expert, so the CPU MoE executor
 (`freetoken.moe.cpu_executor`, csrc/cpu_moe) computes it with the same SIMD tiers, thread pool
@@ -11,7 +11,9 @@ and ISA switches as the experts (one copy of every kernel):
   codecs) and multiplied by torch's GEMM, which is faster than the dots at that size.
 
 `cpu_fused_moe` hands a whole MoE layer of a decode step to the executor (its int8 dots, the
-GLU and the weighted sum, one pool run per layer).
+GLU and the weighted sum, one pool run per layer). `cpu_embedding` decodes gathered rows;
+`cpu_rms_norm`, `cpu_glu` and `cpu_decode_attention` (q/k norm, rotary, KV store, paged
+attention) are one call each where torch takes a dozen dispatches at one token.
 
 Weights the executor does not read (a format without a kernel there, or no C++ extension in
 this install) return None from `cpu_linear`, and the caller takes the torch reference path.

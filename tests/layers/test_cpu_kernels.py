@@ -1,4 +1,4 @@
-"""`linear` on the CPU for quantized weights: the C++ executor's kernels (kernels/cpu_linear.py).
+"""`linear` on the CPU for quantized weights: the C++ executor's kernels (kernels/cpu_kernels.py).
 
 - Up to DOT_TOKENS tokens the executor's int8 dot runs: the result must be exactly what the
   executor computes for the same bytes as a one-expert bank (its kernels are checked against
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from freetoken.formats.qweight import QuantWeight
-from freetoken.kernels import cpu_linear, linear
+from freetoken.kernels import cpu_kernels, linear
 from freetoken.moe.cpu_executor import CpuMoeExecutor
 
 Q = gguf.GGMLQuantizationType
@@ -48,8 +48,8 @@ def test_decode_path_is_the_executor_dot(kind):
     qw.scale2 = torch.rand(96, generator=torch.Generator().manual_seed(1)) + 0.5
     bias = torch.randn(96, generator=torch.Generator().manual_seed(2))
     one = QuantWeight(qw.data.unsqueeze(0), "gguf", (1, 96, 512), ggml_type=qw.ggml_type)
-    ex = CpuMoeExecutor(cpu_linear.executor().num_threads)
-    for shape in ((1,), (3,), (2, 3), (cpu_linear.DOT_TOKENS,)):  # leading dims of x
+    ex = CpuMoeExecutor(cpu_kernels.executor().num_threads)
+    for shape in ((1,), (3,), (2, 3), (cpu_kernels.DOT_TOKENS,)):  # leading dims of x
         x = torch.randn(*shape, 512, generator=torch.Generator().manual_seed(len(shape)))
         y = linear(x, qw, bias)
         ref = ex.expert_matmul(one, 0, x.reshape(-1, 512)) * qw.scale2 + bias
@@ -59,7 +59,7 @@ def test_decode_path_is_the_executor_dot(kind):
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
 def test_prefill_path_is_fp32_math(kind):
-    n, k, T = 200, 512, cpu_linear.DOT_TOKENS + 24
+    n, k, T = 200, 512, cpu_kernels.DOT_TOKENS + 24
     qw, w = _weight(kind, n, k, seed=7 + int(kind))
     x = torch.randn(T, k, generator=torch.Generator().manual_seed(3))
     y = linear(x, qw).double().numpy()
@@ -73,7 +73,7 @@ def test_tiles_of_the_prefill_path(monkeypatch):
     qw, _ = _weight(Q.Q4_K, 300, 256, seed=5)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
     whole = linear(x, qw)
-    monkeypatch.setattr(cpu_linear, "TILE_ELEMS", 64 * 256)  # five tiles of 64 rows, one of 44
+    monkeypatch.setattr(cpu_kernels, "TILE_ELEMS", 64 * 256)  # five tiles of 64 rows, one of 44
     assert torch.equal(linear(x, qw), whole)
 
 
@@ -84,7 +84,7 @@ def test_format_without_executor_kernel_takes_the_reference():
     data = torch.randn(256, 256, generator=g).to(torch.float8_e4m3fn)
     qw = QuantWeight(data, "fp8_block", (256, 256), scales=torch.rand(2, 2, generator=g) + 0.5)
     x = torch.randn(2, 256, generator=g)
-    assert cpu_linear.cpu_linear(x, qw) is None
+    assert cpu_kernels.cpu_linear(x, qw) is None
     assert torch.equal(linear(x, qw), _quant_linear(x, qw))
 
 
@@ -96,10 +96,10 @@ def test_glu_of_one_token(act):
     gu = torch.randn(1, 2 * 320, generator=torch.Generator().manual_seed(8)) * 4
     g, u = gu[:, :320].double(), gu[:, 320:].double()
     ref = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
-    out = cpu_linear.cpu_glu(gu.clone(), 320, act)
+    out = cpu_kernels.cpu_glu(gu.clone(), 320, act)
     assert out.shape == (1, 320)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    assert cpu_linear.cpu_glu(torch.randn(2, 640), 320, act) is None  # one token only
+    assert cpu_kernels.cpu_glu(torch.randn(2, 640), 320, act) is None  # one token only
 
 
 @pytest.mark.parametrize("window,softcap,qk_norm", [(None, None, False), (5, None, True),
@@ -135,7 +135,7 @@ def test_decode_attention_block_matches_the_torch_path(window, softcap, qk_norm)
     q, k = qk_rope(q, k, *rope, *norms, eps=spec.norm_eps)
     want = paged_attention(q, k, v, cache, ctx, scale=0.3, window=window, softcap=softcap)
 
-    got = cpu_linear.cpu_decode_attention(qkv, spec, kv.caches[0], ctx, rope, *norms)
+    got = cpu_kernels.cpu_decode_attention(qkv, spec, kv.caches[0], ctx, rope, *norms)
     assert got.shape == (len(lens), hq * d)
     err = (got.reshape(want.shape) - want).abs().max() / want.abs().max()
     assert float(err) < 1e-5
@@ -143,5 +143,5 @@ def test_decode_attention_block_matches_the_torch_path(window, softcap, qk_norm)
     flat, ref = kv.caches[0].view(2, -1, hkv, d), cache.view(2, -1, hkv, d)
     assert torch.equal(flat[1, slots], ref[1, slots])
     assert torch.allclose(flat[0, slots], ref[0, slots], rtol=1e-6, atol=1e-6)
-    assert cpu_linear.cpu_decode_attention(qkv.double(), spec, kv.caches[0], ctx, rope,
+    assert cpu_kernels.cpu_decode_attention(qkv.double(), spec, kv.caches[0], ctx, rope,
                                            *norms) is None  # fp32 only
