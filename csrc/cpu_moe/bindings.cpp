@@ -106,7 +106,7 @@ NB_MODULE(_cpu_moe, m) {
              uintptr_t cos, uintptr_t sin, uintptr_t q_norm, uintptr_t k_norm, float eps,
              uintptr_t cache, int64_t num_slots, int64_t page_size, uintptr_t slots,
              uintptr_t page_table, int64_t pt_width, uintptr_t seq_lens, float scale,
-             float softcap, int64_t window, uintptr_t out) {
+             float softcap, int64_t window, uintptr_t out, int64_t attend_only_row) {
             ft::DecodeAttnArgs a;
             a.B = B, a.hq = hq, a.hkv = hkv, a.d = d, a.qkv = ptr<float>(qkv);
             a.cos = ptr<const float>(cos), a.sin = ptr<const float>(sin);
@@ -116,8 +116,17 @@ NB_MODULE(_cpu_moe, m) {
             a.page_table = ptr<const int32_t>(page_table), a.pt_width = pt_width;
             a.seq_lens = ptr<const int32_t>(seq_lens), a.scale = scale, a.softcap = softcap;
             a.window = window, a.out = ptr<float>(out);
-            ex.decode_attention(a);
+            if (attend_only_row > 0)
+              ex.decode_attend(a, attend_only_row);
+            else
+              ex.decode_attention(a);
           },
+          nb::arg("B"), nb::arg("hq"), nb::arg("hkv"), nb::arg("d"), nb::arg("qkv"),
+          nb::arg("cos"), nb::arg("sin"), nb::arg("q_norm"), nb::arg("k_norm"), nb::arg("eps"),
+          nb::arg("cache"), nb::arg("num_slots"), nb::arg("page_size"), nb::arg("slots"),
+          nb::arg("page_table"), nb::arg("pt_width"), nb::arg("seq_lens"), nb::arg("scale"),
+          nb::arg("softcap"), nb::arg("window"), nb::arg("out"),
+          nb::arg("attend_only_row") = 0,
           nb::call_guard<nb::gil_scoped_release>())
       .def("set_profiling", &Executor::set_profiling)
       .def("layer_profile",

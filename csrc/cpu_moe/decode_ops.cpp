@@ -70,7 +70,16 @@ void Executor::decode_attention(const DecodeAttnArgs& a) {
     std::copy(q + hq * d, q + (hq + hkv) * d, a.cache + slot * hkv * d);
     std::copy(q + (hq + hkv) * d, q + row, a.cache + kv_half + slot * hkv * d);
   }
-  // 2. attention of each (sequence, query head) over its window of positions
+  decode_attend(a, row);
+}
+
+// Step 2 of decode_attention alone: each sequence's query (a.qkv row b, its first hq heads,
+// `row` values apart) against its cached positions. Also used for the one-token sequences of a
+// step that mixes them with prefill chunks, so that a generated token's attention is the same
+// computation whatever else its step holds.
+void Executor::decode_attend(const DecodeAttnArgs& a, int64_t row) {
+  const int64_t B = a.B, hq = a.hq, hkv = a.hkv, d = a.d;
+  const int64_t kv_half = a.num_slots * hkv * d;
   const int64_t rep = hq / hkv;
   auto head = [&](int64_t item) {
     const int64_t b = item / hq, h = item % hq, g = h / rep;

@@ -122,6 +122,9 @@ class Executor {
   void rms_norm(const float* x, const float* res, const float* w, int64_t rows, int64_t n,
                 float eps, float* y, float* sum);
   void decode_attention(const DecodeAttnArgs& a);
+  // Its attention part alone: queries at a.qkv + b * row (already normed and rotated), the
+  // cache already holding their keys and values.
+  void decode_attend(const DecodeAttnArgs& a, int64_t row);
 
   // Hooks for tests and the benchmark.
   // out[t, n] = x[t] . W[e, n] for all rows n of expert e (the tier's activation prep

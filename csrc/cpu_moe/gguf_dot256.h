@@ -38,11 +38,12 @@ namespace gguf256 {
 
 // Independent accumulator chains a token: with one, every FMA of a row waits for the one
 // before it (4 cycles), which bounded these kernels (one core, L2, this box: Q8_0 8 B and Q4_K
-// 4 B a cycle against the 34 and 144 bytes each chain link covers). Four chains at one token,
-// two at two, one from three tokens on (the tokens' chains interleave). The chains are summed
-// in a fixed order, so a row's result still does not depend on how rows and tokens are grouped.
+// 4 B a cycle against the 34 and 144 bytes each chain link covers). Four chains for every
+// token group size, summed in a fixed order: a token's result must not depend on how many
+// tokens share its call (with one chain from three tokens on, as before, a request decoded
+// alone and the same request in a batch of 16 got other bits, and another greedy text).
 template <int NT>
-constexpr int kChains = NT == 1 ? 4 : NT == 2 ? 2 : 1;
+constexpr int kChains = 4;
 
 template <int NT>
 static inline float sum_chains(const __m256* c) {

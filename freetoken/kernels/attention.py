@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine.context import ForwardContext
+from freetoken.kernels.cpu_kernels import cpu_attend_single
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -81,9 +82,14 @@ def paged_attention(
         return _decode(q, cache, ctx, scale, window, softcap)
     cu, lens, _ = ctx.host_lists()
     out = torch.empty_like(q)
+    # one-token sequences (decodes beside prefill chunks) as a decode step computes them
+    single = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    if not (single and cpu_attend_single(q, cache, ctx, single, [cu[b] for b in single], out,
+                                         scale, window, softcap)):
+        single = []
     for b in range(len(lens)):
         lo, hi = cu[b], cu[b + 1]
-        if hi == lo:
+        if hi == lo or (single and b in single):
             continue
         kv = gather_kv(cache, ctx.page_table[b], lens[b])
         kk = kv[0].repeat_interleave(n_q // n_kv, dim=1)

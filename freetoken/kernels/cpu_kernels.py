@@ -4,13 +4,16 @@ A dense `[N, K]` weight is an expert bank with one expert, so the CPU MoE execut
 (`freetoken.moe.cpu_executor`, csrc/cpu_moe) computes it with the same SIMD tiers, thread pool
 and ISA switches as the experts (one copy of every kernel):
 
-- up to `DOT_TOKENS` tokens (decode): the int8 dots read the quantized bytes once per call
+- by default its int8 dots, at every token count: they read the quantized bytes once per call
   (activations quantized per block of 32, as llama.cpp does), `y = x @ W^T` straight into the
-  output;
-- more tokens (prefill): rows are decoded to fp32 tiles by the executor (bit-identical to the
-  codecs) and multiplied by torch's GEMM, which is faster than the dots at that size.
+  output. Each row's result depends on its token alone (not on the batch, the thread count or
+  the split of rows), so a request's tokens are the same alone or batched with others;
+- under FREETOKEN_CPU_FLOAT=1, float math at every size: rows decoded to fp32 tiles by the
+  executor (bit-identical to the codecs) and multiplied by torch's GEMM (transformers' numbers;
+  at 512 tokens it is also the faster of the two: 128 against 74 GFLOP/s, but choosing it by
+  token count made a token's numbers depend on its batch).
 
-`cpu_fused_moe` hands a whole MoE layer of a decode step to the executor (its int8 dots, the
+`cpu_fused_moe` hands a whole MoE layer to the executor (its int8 dots, the
 GLU and the weighted sum, one pool run per layer). `cpu_embedding` decodes gathered rows;
 `cpu_rms_norm`, `cpu_glu` and `cpu_decode_attention` (q/k norm, rotary, KV store, paged
 attention) are one call each where torch takes a dozen dispatches at one token.
@@ -32,19 +35,16 @@ import torch
 from freetoken import env
 from freetoken.formats.qweight import QuantWeight
 
-# At most this many tokens go through the int8 dots; more decode fp32 tiles for torch.mm.
-# Measured on a 2-core AVX-512 VNNI VM ([4864, 1792] Q4_K / Q8_0): the dots' int8 work per
-# token is constant, torch's fp32 GEMM amortises the tile decode from a few dozen tokens on.
-DOT_TOKENS = 16
 # Rows decoded per tile for the GEMM path: about 4 MiB of fp32, so a tile is still in L2/L3
 # when the GEMM reads it.
 TILE_ELEMS = 1 << 20
 
 
 
-def dot_tokens() -> int:
-    """Most tokens a call hands to the int8 dots (0 under FREETOKEN_CPU_FLOAT=1)."""
-    return 0 if env.cpu_float() else DOT_TOKENS
+def int8_dots() -> bool:
+    """Whether CPU linears and MoE layers take the executor's int8 dots (not under
+    FREETOKEN_CPU_FLOAT=1)."""
+    return not env.cpu_float()
 
 
 _lock = threading.Lock()
@@ -130,7 +130,7 @@ def cpu_linear(x: torch.Tensor, qw: QuantWeight, gemm: bool = False) -> torch.Te
     T = xf.shape[0]
     ex = _executor or executor()
     out = torch.empty(T, N, dtype=torch.float32)
-    if T <= dot_tokens() and not gemm:
+    if not gemm and int8_dots():
         ex._ex.dot(bank[0], 0, xf.data_ptr(), T, out.data_ptr(), ex.num_threads)
     else:
         step = max(64, TILE_ELEMS // K // 64 * 64)
@@ -146,19 +146,21 @@ _ACT = {"silu": 0, "gelu_tanh": 1}
 
 
 def cpu_glu(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:
-    """act(gate) * up of one token's fp32 [1, 2 * inter] gate_up output, in place by the
-    executor's GLU (one call where torch takes three ops), or None when it cannot (several
-    tokens, another dtype or activation, no extension)."""
-    if (gu.shape[0] != 1 or gu.dtype != torch.float32 or gu.is_cuda or act not in _ACT
-            or not gu.is_contiguous()):
+    """act(gate) * up of fp32 [T, 2 * inter] gate_up rows, in place by the executor's GLU (one
+    call a row where torch takes three ops; every token count alike, so a token's numbers do
+    not depend on its batch), or None when it cannot (another dtype or activation, no
+    extension)."""
+    if gu.dtype != torch.float32 or gu.is_cuda or act not in _ACT or not gu.is_contiguous():
         return None
     if _executor is None:
         from freetoken.moe.cpu_executor import extension_available
 
         if not extension_available():
             return None
+    glu, a, row = (_executor or executor())._ex.glu, _ACT[act], 8 * inter
     p = gu.data_ptr()
-    (_executor or executor())._ex.glu(p, p + 4 * inter, inter, 1.0, 1.0, _ACT[act])
+    for t in range(gu.shape[0]):
+        glu(p + t * row, p + t * row + 4 * inter, inter, 1.0, 1.0, a)
     return gu[:, :inter]
 
 
@@ -215,6 +217,36 @@ def cpu_decode_attention(qkv: torch.Tensor, spec, cache: torch.Tensor, ctx,
         ctx.seq_lens.data_ptr(), spec.scale, spec.softcap or 0.0, spec.window or 0,
         out.data_ptr())
     return out
+
+
+def cpu_attend_single(q: torch.Tensor, cache: torch.Tensor, ctx, seqs: list[int],
+                      rows: list[int], out: torch.Tensor, scale: float, window: int | None,
+                      softcap: float | None) -> bool:
+    """Attention of the one-token sequences `seqs` (their query rows `rows` of q [T, Hq, d],
+    already normed and rotated, their keys already stored) by the executor's decode attention,
+    written into out's rows; False (nothing written) where it does not apply. A step that mixes
+    them with prefill chunks thus computes a generated token as a decode step does."""
+    if (q.dtype != torch.float32 or cache.dtype != torch.float32 or q.is_cuda
+            or not cache.is_contiguous() or ctx.page_table.dtype != torch.int32):
+        return False
+    if _executor is None:
+        from freetoken.moe.cpu_executor import extension_available
+
+        if not extension_available():
+            return False
+    idx = torch.tensor(rows)
+    qs = q.index_select(0, idx).contiguous()  # [S, Hq, d]
+    S, hq, d = qs.shape
+    pt = ctx.page_table.index_select(0, torch.tensor(seqs)).contiguous()
+    lens = ctx.seq_lens.index_select(0, torch.tensor(seqs)).contiguous()
+    o = torch.empty(S, hq * d, dtype=torch.float32)
+    (_executor or executor())._ex.decode_attention(
+        S, hq, cache.shape[-2], d, qs.data_ptr(), 0, 0, 0, 0, 0.0, cache.data_ptr(),
+        cache.shape[1] * cache.shape[2], cache.shape[2], 0, pt.data_ptr(), pt.shape[1],
+        lens.data_ptr(), scale, softcap or 0.0, window or 0, o.data_ptr(),
+        attend_only_row=hq * d)
+    out.index_copy_(0, idx, o.view(S, hq, d))
+    return True
 
 
 def cpu_embedding(flat: torch.Tensor, qw: QuantWeight) -> torch.Tensor | None:

@@ -13,11 +13,11 @@ a route whose expert maps to -1 contributes nothing (another path, the CPU, comp
 CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.moe`), which check the same
 shapes but never read device values back to the host (the step may be a CUDA graph); a bank
 format without a kernel takes this torch path on the GPU too (with its host syncs). On the CPU,
-up to `cpu_kernels.dot_tokens()` tokens (decode) of a bank in the executor's layout (no
-`expert_map`: slot pools interleave their parts) go to the C++ executor's int8 dots
-(`freetoken.kernels.cpu_kernels.cpu_fused_moe`), as dense layers do; more tokens (prefill) and
-slot pools take this path in float math, each expert's rows decoded by the executor (bit for
-bit the codecs) for torch's GEMM; formats it has no kernel for, by the torch codecs.
+a bank in the executor's layout (no `expert_map`: slot pools interleave their parts) goes to
+the C++ executor's int8 dots (`freetoken.kernels.cpu_kernels.cpu_fused_moe`), as dense layers
+do; slot pools and FREETOKEN_CPU_FLOAT=1 take this path in float math, each expert's rows
+decoded by the executor (bit for bit the codecs) for torch's GEMM; formats it has no kernel
+for, by the torch codecs.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def fused_moe(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
 
         if supported(bank):
             return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
-    if not x.is_cuda and expert_map is None and x.shape[0] <= cpu_kernels.dot_tokens():
+    if not x.is_cuda and expert_map is None and cpu_kernels.int8_dots():
         y = cpu_kernels.cpu_fused_moe(x, bank, topk_ids, topk_weights, activation)
         if y is not None:
             return y

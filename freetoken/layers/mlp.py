@@ -28,7 +28,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]
-        a = cpu_glu(gu, self.intermediate, self.act_name)  # one token on the CPU: one call
+        a = cpu_glu(gu, self.intermediate, self.act_name)  # fp32 on the CPU: the executor's
         if a is None:
             g, u = gu.split(self.intermediate, dim=-1)
             a = self.act(g) * u

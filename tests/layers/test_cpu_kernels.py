@@ -1,12 +1,13 @@
 """`linear` on the CPU for quantized weights: the C++ executor's kernels (kernels/cpu_kernels.py).
 
-- Up to DOT_TOKENS tokens the executor's int8 dot runs: the result must be exactly what the
-  executor computes for the same bytes as a one-expert bank (its kernels are checked against
-  float64 in tests/moe/test_cpu_moe_formats.py), times scale2, plus the bias.
-- More tokens decode fp32 tiles (bit-identical to gguf-py's dequantize) for torch's GEMM: the
-  float64 product of the dequantized weight within fp32 rounding, K * 2^-23 * (|x| @ |W|^T)
-  (a sum of K products, each rounded once, plus the accumulation: the usual a-priori bound of
-  a length-K fp32 dot, with room for a blocked GEMM's order).
+- By default the executor's int8 dot runs at every token count: the result must be exactly
+  what the executor computes for the same bytes as a one-expert bank (its kernels are checked
+  against float64 in tests/moe/test_cpu_moe_formats.py), times scale2, plus the bias; and a
+  token's row must not depend on the other tokens of the call (batch invariance).
+- FREETOKEN_CPU_FLOAT=1 decodes fp32 tiles (bit-identical to gguf-py's dequantize) for torch's
+  GEMM: the float64 product of the dequantized weight within fp32 rounding,
+  K * 2^-23 * (|x| @ |W|^T) (a sum of K products, each rounded once, plus the accumulation: the
+  usual a-priori bound of a length-K fp32 dot, with room for a blocked GEMM's order).
 - Formats the executor has no kernel for take the torch reference.
 """
 
@@ -22,11 +23,12 @@ from freetoken.kernels import cpu_kernels, linear
 from freetoken.moe.cpu_executor import CpuMoeExecutor
 
 Q = gguf.GGMLQuantizationType
-KINDS = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K]
+KINDS = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 # byte offsets of each block's fp16 scale fields: set to sane values, every other byte random
-FP16_FIELDS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+FP16_FIELDS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208], Q.Q4_1: [0, 2],
+               Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q5_K: [0, 2]}
 
 
 def _weight(kind, n: int, k: int, seed: int) -> tuple[QuantWeight, np.ndarray]:
@@ -49,17 +51,21 @@ def test_decode_path_is_the_executor_dot(kind):
     bias = torch.randn(96, generator=torch.Generator().manual_seed(2))
     one = QuantWeight(qw.data.unsqueeze(0), "gguf", (1, 96, 512), ggml_type=qw.ggml_type)
     ex = CpuMoeExecutor(cpu_kernels.executor().num_threads)
-    for shape in ((1,), (3,), (2, 3), (cpu_kernels.DOT_TOKENS,)):  # leading dims of x
+    for shape in ((1,), (3,), (2, 3), (40,)):  # leading dims of x
         x = torch.randn(*shape, 512, generator=torch.Generator().manual_seed(len(shape)))
         y = linear(x, qw, bias)
         ref = ex.expert_matmul(one, 0, x.reshape(-1, 512)) * qw.scale2 + bias
         assert y.shape == (*shape, 96)
         assert torch.equal(y.reshape(-1, 96), ref)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(9))
+    alone = torch.cat([linear(x[i:i + 1], qw) for i in range(0, 40, 7)])
+    assert torch.equal(linear(x, qw)[::7], alone)  # the same rows alone or in a batch
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
-def test_prefill_path_is_fp32_math(kind):
-    n, k, T = 200, 512, cpu_kernels.DOT_TOKENS + 24
+def test_float_path_is_fp32_math(kind, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CPU_FLOAT", "1")
+    n, k, T = 200, 512, 40
     qw, w = _weight(kind, n, k, seed=7 + int(kind))
     x = torch.randn(T, k, generator=torch.Generator().manual_seed(3))
     y = linear(x, qw).double().numpy()
@@ -69,7 +75,8 @@ def test_prefill_path_is_fp32_math(kind):
     assert np.all(err <= bound), f"max err / bound {(err / bound).max():.2f}"
 
 
-def test_tiles_of_the_prefill_path(monkeypatch):
+def test_tiles_of_the_float_path(monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CPU_FLOAT", "1")
     qw, _ = _weight(Q.Q4_K, 300, 256, seed=5)
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4))
     whole = linear(x, qw)
@@ -89,7 +96,7 @@ def test_format_without_executor_kernel_takes_the_reference():
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_glu_of_one_token(act):
+def test_glu(act):
     """The executor's GLU (polynomial exp, ~1 ulp) against float64, as tight as torch's."""
     import torch.nn.functional as F
 
@@ -99,7 +106,10 @@ def test_glu_of_one_token(act):
     out = cpu_kernels.cpu_glu(gu.clone(), 320, act)
     assert out.shape == (1, 320)
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 1e-6
-    assert cpu_kernels.cpu_glu(torch.randn(2, 640), 320, act) is None  # one token only
+    two = torch.randn(2, 640, generator=torch.Generator().manual_seed(3))
+    rows = cpu_kernels.cpu_glu(two.clone(), 320, act)
+    for t in range(2):  # each row as it would be alone
+        assert torch.equal(rows[t:t + 1], cpu_kernels.cpu_glu(two[t:t + 1].clone(), 320, act))
 
 
 @pytest.mark.parametrize("window,softcap,qk_norm", [(None, None, False), (5, None, True),
@@ -145,3 +155,27 @@ def test_decode_attention_block_matches_the_torch_path(window, softcap, qk_norm)
     assert torch.allclose(flat[0, slots], ref[0, slots], rtol=1e-6, atol=1e-6)
     assert cpu_kernels.cpu_decode_attention(qkv.double(), spec, kv.caches[0], ctx, rope,
                                            *norms) is None  # fp32 only
+
+
+def _host_tiers() -> list[str]:
+    from freetoken import _cpu_moe
+
+    host = [t.strip() for t in _cpu_moe.supported_tiers().split(",")]
+    return [t for t in ("scalar", "avx2_fp32", "avx2_vnni", "avx512_fp32", "avx512_vnni")
+            if t in host]
+
+
+@pytest.mark.parametrize("tier", _host_tiers())
+def test_a_token_gets_the_same_bits_in_any_batch(tier):
+    """Every tier's dots: a token's row alone (1 token), in a group of 2 or 3, and in a batch
+    of 16, bit for bit (a request decoded alone must not differ from the same request batched
+    with others)."""
+    ex = CpuMoeExecutor(2, isa=tier)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(10))
+    for kind in KINDS:
+        qw, _ = _weight(kind, 64, 512, seed=20 + int(kind))
+        one = QuantWeight(qw.data.unsqueeze(0), "gguf", (1, 64, 512), ggml_type=qw.ggml_type)
+        batch = ex.expert_matmul(one, 0, x)
+        for rows in ([5], [5, 9], [5, 9, 12]):
+            part = ex.expert_matmul(one, 0, x[rows])
+            assert torch.equal(part, batch[rows]), f"{kind.name} on {tier}, rows {rows}"

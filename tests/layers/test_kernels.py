@@ -129,3 +129,26 @@ def test_qk_rope_of_qkv_views_is_the_reference(tokens):
         qo, ko = qk_rope(qq, kk, cos, sin)
         assert torch.equal(qo, rotary_reference(qq, cos, sin))
         assert torch.equal(ko, rotary_reference(kk, cos, sin))
+
+
+def test_paged_attention_mixed_step_one_token_sequences():
+    """A step that mixes a prefill chunk with one-token sequences (those go to the executor's
+    decode attention on the CPU) against float64, as the other attention tests."""
+    g = torch.Generator().manual_seed(6)
+    hq, hkv, d, scale = 4, 2, 16, 0.3
+    lens = [12, 9, 14]
+    qkv = [[torch.randn(L, h, d, generator=g) for h in (hq, hkv, hkv)] for L in lens]
+    kv = SimpleKV([(hkv, d)], num_pages=16, page_size=4)
+    outs = [[] for _ in lens]
+    # step 1: 5, 8 and 13 tokens; step 2: one token for sequences 1 and 2, 7 for sequence 0
+    for spans in ([(0, 5), (0, 8), (0, 13)], [(5, 12), (8, 9), (13, 14)]):
+        ctx = kv.context([(i, b - a) for i, (a, b) in enumerate(spans)])
+        q, k, v = (torch.cat([qkv[i][j][a:b] for i, (a, b) in enumerate(spans)])
+                   for j in range(3))
+        o = paged_attention(q, k, v, kv.caches[0], ctx, scale=scale)
+        for i, part in enumerate(o.split([b - a for a, b in spans])):
+            outs[i].append(part)
+    for i in range(len(lens)):
+        ref = _dense_ref(*qkv[i], scale, None, None)
+        got = torch.cat(outs[i]).double()
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-5
