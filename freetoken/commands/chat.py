@@ -8,7 +8,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from freetoken.commands.generate import add_sampling_args, chat_messages, sampling_params, stream
+from freetoken.commands.generate import (
+    add_sampling_args,
+    chat_messages,
+    sampling_params,
+    setup_logging,
+    stream,
+)
 
 
 def add_parser(sub) -> None:
@@ -24,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.cli import engine_config_from_args
     from freetoken.engine.engine import Engine
 
+    setup_logging(args)
     engine = Engine(engine_config_from_args(args))
     tok = engine.tokenizer
     if not tok.has_chat_template:

@@ -7,6 +7,7 @@ With a chat model the prompt is sent as a user message through the model's chat 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from typing import TextIO
@@ -23,6 +24,31 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system message (chat mode)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log lines on stderr (the MoE backend's choice, the decode log line)")
+
+
+class _Stderr(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a line is written (not when the handler was made)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """FreeToken's log lines to stderr at --log-level (one handler on the package's logger, so
+    a host program's own logging set-up stays as it is)."""
+    log = logging.getLogger("freetoken")
+    log.setLevel(args.log_level.upper())
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        h = _Stderr()
+        h.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(h)
 
 
 def add_parser(sub) -> None:
@@ -78,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.cli import engine_config_from_args
     from freetoken.engine.engine import Engine
 
+    setup_logging(args)
     engine = Engine(engine_config_from_args(args))
     tok = engine.tokenizer
     use_chat = tok.has_chat_template if args.chat is None else args.chat

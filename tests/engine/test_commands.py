@@ -40,3 +40,14 @@ def test_chat_keeps_history_and_exits(monkeypatch, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_generate_logs_the_moe_backend_choice(capfd):
+    """`auto`'s choice and its reason reach the terminal (log lines on stderr)."""
+    from pathlib import Path
+
+    gguf = Path(__file__).resolve().parents[1] / "data" / "tiny_qwen3_moe_q4k-mxfp4.gguf"
+    rc = cli.main(["generate", "1, 2, 3", "--model", str(gguf), "--no-chat", "--max-tokens", "2",
+                   "--no-show-progress"])
+    err = capfd.readouterr().err
+    assert rc == 0 and "MoE backend fused (auto: every expert fits" in err, err
