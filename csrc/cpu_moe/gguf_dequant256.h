@@ -53,18 +53,12 @@ static void dq256_mxfp4(const uint8_t* b, float* o) {
 }
 // Q6_K: value = (d * sc[i]) * (q - 32), scale i per 16 values (see q6k_row for the layout).
 static void dq256_q6_k(const uint8_t* b, float* o) {
-  const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
   const __m256i c32 = _mm256_set1_epi8(32);
   const float d = f16_scale(b + 208);
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   for (int h = 0; h < 2; ++h) {
-    const __m256i ql0 = ld32(b + 64 * h), ql1 = ld32(b + 64 * h + 32), qh = ld32(b + 128 + 32 * h);
-    const __m256i V[4] = {
-        _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-        _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+    __m256i V[4];
+    q6k_half_codes(b, h, V);
     for (int v = 0; v < 4; ++v) {
       const __m256 s0 = _mm256_set1_ps(d * static_cast<float>(sc[8 * h + 2 * v]));
       const __m256 s1 = _mm256_set1_ps(d * static_cast<float>(sc[8 * h + 2 * v + 1]));

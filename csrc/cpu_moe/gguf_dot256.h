@@ -59,6 +59,19 @@ static inline __m256i ld32(const uint8_t* p) {
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
+// The unsigned 6-bit codes of half h (128 values) of a Q6_K super-block as four vectors of 32
+// bytes: V[v] holds values 32v .. 32v + 31 of the half (ql nibbles, qh's 2-bit pairs above).
+static inline void q6k_half_codes(const uint8_t* blk, int h, __m256i V[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+  const __m256i ql0 = ld32(blk + 64 * h), ql1 = ld32(blk + 64 * h + 32);
+  const __m256i qh = ld32(blk + 128 + 32 * h);
+  V[0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+  V[1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+  V[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
+  V[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                         _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+}
+
 }  // namespace gguf256
 
 // The 8 scales and 8 mins of a Q4_K super-block (llama.cpp's get_scale_min_k4, four words at
@@ -138,7 +151,6 @@ template <class Dp, int NT>
 static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
                            int64_t os) {
   const int64_t nsb = K / 256;
-  const __m256i m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
   const __m256i z = _mm256_setzero_si256();
   const __m256i da_pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
   constexpr int C = kChains<NT>;
@@ -157,14 +169,8 @@ static inline void q6k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
       // lanes 0-3 and 2v + 1 in lanes 4-7
       const __m256 S = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h)))));
-      const __m256i ql0 = ld32(blk + 64 * h), ql1 = ld32(blk + 64 * h + 32);
-      const __m256i qh = ld32(blk + 128 + 32 * h);
-      const __m256i V[4] = {
-          _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-          _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
-          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                          _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30))};
+      __m256i V[4];
+      q6k_half_codes(blk, h, V);
       __m256 F[4];
       for (int v = 0; v < 4; ++v)
         F[v] = _mm256_permutevar8x32_ps(S, _mm256_setr_epi32(2 * v, 2 * v, 2 * v, 2 * v,
