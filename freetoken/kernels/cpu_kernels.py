@@ -72,6 +72,15 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def _extension() -> bool:
+    """Whether the executor can run here (its extension is built); checked until it exists."""
+    if _executor is not None:
+        return True
+    from freetoken.moe.cpu_executor import extension_available
+
+    return extension_available()
+
+
 def executor():
     """The process's executor for dense layers (created on first use)."""
     global _executor
@@ -152,11 +161,8 @@ def cpu_glu(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:
     extension)."""
     if gu.dtype != torch.float32 or gu.is_cuda or act not in _ACT or not gu.is_contiguous():
         return None
-    if _executor is None:
-        from freetoken.moe.cpu_executor import extension_available
-
-        if not extension_available():
-            return None
+    if not _extension():
+        return None
     glu, a, row = (_executor or executor())._ex.glu, _ACT[act], 8 * inter
     p = gu.data_ptr()
     for t in range(gu.shape[0]):
@@ -172,11 +178,8 @@ def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.is_cuda
             or not x.is_contiguous() or (residual is not None and not residual.is_contiguous())):
         return None
-    if _executor is None:
-        from freetoken.moe.cpu_executor import extension_available
-
-        if not extension_available():
-            return None
+    if not _extension():
+        return None
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=torch.float32)
     s = None if residual is None else torch.empty(x.shape, dtype=torch.float32)
@@ -202,11 +205,8 @@ def cpu_decode_attention(qkv: torch.Tensor, spec, cache: torch.Tensor, ctx,
             or ctx.slot_mapping.dtype != torch.int64
             or not all(t.is_contiguous() for t in tensors)):
         return None
-    if _executor is None:
-        from freetoken.moe.cpu_executor import extension_available
-
-        if not extension_available():
-            return None
+    if not _extension():
+        return None
     B, hq, hkv, d = qkv.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
     out = torch.empty(B, hq * d, dtype=torch.float32)
     (_executor or executor())._ex.decode_attention(
@@ -229,11 +229,8 @@ def cpu_attend_single(q: torch.Tensor, cache: torch.Tensor, ctx, seqs: list[int]
     if (q.dtype != torch.float32 or cache.dtype != torch.float32 or q.is_cuda
             or not cache.is_contiguous() or ctx.page_table.dtype != torch.int32):
         return False
-    if _executor is None:
-        from freetoken.moe.cpu_executor import extension_available
-
-        if not extension_available():
-            return False
+    if not _extension():
+        return False
     idx = torch.tensor(rows)
     qs = q.index_select(0, idx).contiguous()  # [S, Hq, d]
     S, hq, d = qs.shape
