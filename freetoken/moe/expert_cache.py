@@ -57,6 +57,10 @@ class ExpertCache:
         self._cpu_threads = cpu_threads
         self._executor = None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Set by moe/runtime.py when prefill streaming is on: an object whose
+        # forward(layer, x, ids, w, activation) -> y computes a call of PREFILL_TOKENS tokens
+        # or more (moe/prefill_stream.py); None: such calls go through the slot cache.
+        self.prefill = None
         for i, b in enumerate(self._exec_banks):
             if b is None:
                 logger.warning("MoE layer %d: the CPU executor has no kernel for experts in %s "
@@ -80,6 +84,8 @@ class ExpertCache:
         device kernel (hits + fetched) queued; the CPU executor runs while the device works;
         the two partial sums added. The phases are profiler ranges (moe.*: `ft bench decode
         --profile` sums them per step)."""
+        if self.prefill is not None and ids.shape[0] >= PREFILL_TOKENS:
+            return self.prefill.forward(layer, x, ids, w, activation)
         c = self.cache
         fetch_all = self.fetch_all or ids.shape[0] >= PREFILL_TOKENS
         with record_function("moe.plan"):
