@@ -35,6 +35,11 @@ _HELP = {
     "decode_log_interval": "a decode log line (tokens/s, expert hit rate, fetches, CPU "
     "experts) every N decode steps; 0: none",
     "moe_cpu_threads": "CPU MoE executor threads (default: physical cores minus one)",
+    "moe_prefill_hit_d2d": "prefill (calls of 64 tokens or more stream each layer's whole "
+    "expert bank to the device): copy the experts the slot cache holds from their slots, "
+    "device to device, instead of over PCIe",
+    "disable_moe_prefill_overlap": "prefill streaming without double buffering (copy a layer's "
+    "bank, wait, compute): to measure what overlapping the next layer's copy gives",
     "dummy_weights": "random weights made on the device; --model may name a built-in shape",
     "dummy_format": "weight format of --dummy-weights models",
     "dummy_layers": "shorten a --dummy-weights model to N layers",

@@ -34,6 +34,10 @@ class EngineConfig:
     moe_hybrid_max_fetch: int | None = None  # per layer call; 0 = every miss to the CPU,
     # None / -1 = from the profile
     moe_cpu_threads: int | None = None  # None = physical cores minus one
+    # prefill calls stream whole expert banks (moe/prefill_stream.py): the experts the slot
+    # cache holds are copied from their slots instead of over PCIe
+    moe_prefill_hit_d2d: bool = False
+    disable_moe_prefill_overlap: bool = False  # one buffer: copy a layer, wait, compute
     dummy_weights: bool = False  # random weights made on the device (performance work)
     dummy_format: str = "bf16"  # weight format of --dummy-weights models
     dummy_layers: int | None = None  # shorten a --dummy-weights model to N layers

@@ -17,6 +17,7 @@ from freetoken.layers.moe import FusedExperts
 from freetoken.moe.expert_cache import CACHE_BACKENDS, ExpertCache, LayerBackend
 from freetoken.moe.host_banks import bank_bytes, host_bank
 from freetoken.moe.policy import expert_format, fetch_policy, find_profile, num_slots
+from freetoken.moe.prefill_stream import PrefillStreamer
 from freetoken.moe.slot_cache import slot_bytes
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,9 @@ class MoERuntime:
         spec = mods[0].spec
         total = len(mods) * spec.num_experts
         per_slot = max(slot_bytes(h) for h in hosts)
+        # the prefill buffers first: the slots are sized from what is free after them
+        self.prefill = PrefillStreamer(hosts, device, not config.disable_moe_prefill_overlap,
+                                       config.moe_prefill_hit_d2d)
         free = _free_device_bytes(device, config.kv_cache_mb << 20)
         fits = total if free is None else free // per_slot
         self.num_slots, sizing = num_slots(total, spec.top_k, config.moe_cache_size,
@@ -103,6 +107,8 @@ class MoERuntime:
         self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof)
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
                                  config.moe_cpu_threads)
+        self.prefill.attach(self.cache.cache)
+        self.cache.prefill = self.prefill
         for i, m in enumerate(mods):
             m.backend = LayerBackend(self.cache, i)
         self._report(hosts, total, sizing, device)
@@ -116,10 +122,14 @@ class MoERuntime:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
         dev = (f", device memory {torch.cuda.memory_allocated(device) / GiB:.2f} GiB allocated"
                if device.type == "cuda" else "")
+        pre = self.prefill
         logger.info("MoE %s: %d of %d experts in %d slots of %.2f MiB (%s): slot cache %.2f GiB "
-                    "on %s; host banks %.2f GiB, peak host memory %.2f GiB%s; %s", self.backend,
-                    self.num_slots, total, self.num_slots, self.cache.cache.slot_bytes / 2**20,
-                    sizing, self.cache.cache.nbytes / GiB, device, host / GiB, peak, dev,
+                    "on %s; prefill stream buffers %d x %.2f GiB%s%s; host banks %.2f GiB, peak "
+                    "host memory %.2f GiB%s; %s", self.backend, self.num_slots, total,
+                    self.num_slots, self.cache.cache.slot_bytes / 2**20, sizing,
+                    self.cache.cache.nbytes / GiB, device, len(pre.buffers),
+                    pre.buffer_bytes / GiB, "" if pre.overlap else " (no overlap)",
+                    ", hits copied from slots" if pre.hit_d2d else "", host / GiB, peak, dev,
                     self.policy.why)
 
     def counters(self) -> dict[str, int]:
