@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.profiler import record_function
 
 from freetoken.kernels.moe import fused_moe
 from freetoken.moe.banks import ExpertBank
@@ -143,7 +144,8 @@ class PrefillStreamer:
         compute = None if self.stream is None else torch.cuda.current_stream(self.device)
         if compute is not None:
             compute.wait_event(self._ready[b])
-        y = fused_moe(x, self.views[b][layer], ids, w, activation)
+        with record_function("moe.device"):
+            y = fused_moe(x, self.views[b][layer], ids, w, activation)
         if compute is not None:
             self._free[b] = compute.record_event()
         self._count(layer, ids)
@@ -177,16 +179,17 @@ class PrefillStreamer:
         if self._map is not None:
             E = self.hosts[layer].num_experts
             slot_of = self._map[layer * E:(layer + 1) * E]
-        if self.stream is None:
-            self._copy(layer, b, slot_of)
-            return
-        if first:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        elif self._free[b] is not None:
-            self.stream.wait_event(self._free[b])
-        with torch.cuda.stream(self.stream):
-            self._copy(layer, b, slot_of)
-        self._ready[b] = self.stream.record_event()
+        with record_function("moe.stream_copy"):
+            if self.stream is None:
+                self._copy(layer, b, slot_of)
+                return
+            if first:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            elif self._free[b] is not None:
+                self.stream.wait_event(self._free[b])
+            with torch.cuda.stream(self.stream):
+                self._copy(layer, b, slot_of)
+            self._ready[b] = self.stream.record_event()
 
     def _read_map(self) -> list[int] | None:
         """(layer, expert) -> slot of every layer, on the host (a sync: once per step)."""
