@@ -17,8 +17,24 @@ scripts/make_random_gguf.py writes has the same):
 - routers, norms and other vectors: float.
 A matrix whose input size is not a multiple of the format's block falls back to Q8_0 (a Q4_K
 super-block is 256 values: Gemma-4's 704-wide expert down projection), then to bf16.
-Values are scaled like a trained model's (about 0.02), so activations stay finite for many
-layers. Prompts are token ids: `IdTokenizer` stands in for a tokenizer.
+Values are scaled like a trained model's (about 0.02, the same spread in every format), so
+activations stay finite for many layers. Prompts are token ids: `IdTokenizer` stands in for a
+tokenizer.
+
+Routing. The expert-cache ceilings assume uniform routing (each token's top-k spread evenly
+over the experts, independently across tokens and steps), so the routers must see hidden
+states that differ from token to token. Two things break that in a random model:
+- attention averages values over the prefix, so its output is nearly the same vector for
+  every later token; through v_proj and o_proj at 0.02 that common part comes back about 1.2x
+  as large each layer (normed input of rms 1: 0.02 sqrt(2048) * 0.02 sqrt(4096)), and by
+  layer 8 of Qwen3-30B-A3B every token routes alike (benchmarks/dummy_routing.py). Hence
+  OUT_STD = STD / 8 for o_proj / out_proj: the common part of the routers' input stays near
+  that of independent random vectors (about 0.1 of its norm over 24 layers, 1.0 at 0.02).
+  (Gemma normalises each block's output after the fact: there it changes nothing.)
+- embedding rows of 0.02 are small next to what the layers add: the token's identity is lost.
+  Hence rows of rms EMBED_RMS (1, as gemma's scaled embedding already has).
+Also the formats' spreads agree (Q4_K's was 2.7x the others': its experts' outputs were 20x
+louder and drowned the common part, which is why Q4_K alone looked uniform).
 """
 
 from __future__ import annotations
@@ -43,6 +59,8 @@ from freetoken.models.config import ModelConfig, from_hf
 logger = logging.getLogger(__name__)
 T = GGMLQuantizationType
 STD = 0.02  # weight spread of a trained model's matrices
+EMBED_RMS = 1.0  # embedding rows (after gemma's sqrt(hidden)): the token's own signal
+OUT_STD = STD / 8  # attention's output projections (o_proj, the delta-net's out_proj)
 
 _QWEN3_MOE = dict(model_type="qwen3_moe", rms_norm_eps=1e-6, rope_theta=1e6,
                   norm_topk_prob=True, tie_word_embeddings=False)
@@ -161,47 +179,54 @@ def _f16_bytes(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).view(torch.uint8)
 
 
-def _gguf_blocks(r: Rand, qtype: T, rows: int, cols: int) -> torch.Tensor:
-    """uint8 [rows, row_bytes] of valid blocks: random codes, finite scales of about STD."""
+def _gguf_blocks(r: Rand, qtype: T, rows: int, cols: int, std: float = STD) -> torch.Tensor:
+    """uint8 [rows, row_bytes] of valid blocks: random codes, finite scales, values of spread
+    about `std` (the constants: the decoded spread measured per unit of scale)."""
     block, size = GGML_QUANT_SIZES[qtype]
     b = r.bytes((rows, cols // block, size))
-    if qtype == T.Q8_0:  # d (fp16) then 32 int8: values d * q, |q| <= 128
-        b[..., 0:2] = _f16_bytes(r.uniform((*b.shape[:2], 1), 0.5, 1.5) * STD / 74)
+    if qtype == T.Q8_0:  # d (fp16) then 32 int8: values d * q, |q| <= 128, rms of q ~74
+        b[..., 0:2] = _f16_bytes(r.uniform((*b.shape[:2], 1), 0.5, 1.5) * std / 74)
     elif qtype == T.Q4_K:  # d, dmin (fp16), 12 bytes of 6-bit scales / mins, 128 code bytes
-        d = r.uniform((*b.shape[:2], 1), 1.0, 3.0) * 1e-4
+        # value = d * sc * q - dmin * m: rms ~265 d for random sc, m, q (0.02: d ~0.75e-4)
+        d = r.uniform((*b.shape[:2], 1), 0.5, 1.5) * std / 265
         b[..., 0:2] = _f16_bytes(d)
-        # value = d * sc * q - dmin * m; mean sc = mean m and mean q = 7.5: zero mean on average
+        # mean sc = mean m and mean q = 7.5: zero mean on average
         b[..., 2:4] = _f16_bytes(7.5 * d)
     elif qtype == T.MXFP4:  # one E8M0 exponent (255 = NaN): 2^(e - 128) * (doubled E2M1)
-        b[..., 0] = r.bytes(b.shape[:2], 118, 122)
+        shift = round(math.log2(std / STD))  # 118..121: spread ~0.026 (powers of two only)
+        b[..., 0] = r.bytes(b.shape[:2], 118 + shift, 122 + shift)
     else:
         raise ValueError(f"no random block maker for {qtype.name}")
     return b.reshape(rows, -1)
 
 
-def _nvfp4(r: Rand, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nvfp4(r: Rand, rows: int, cols: int, std: float = STD
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ModelOpt NVFP4: codes [rows, cols/2], E4M3 scales in [0.5, 4) [rows, cols/16], and an
     fp32 second-level scale (kept on the host like a loader's, tiny)."""
     codes = r.bytes((rows, cols // 2))
     scales = r.bytes((rows, cols // 16), 0x30, 0x48).view(torch.float8_e4m3fn)
-    s2 = torch.empty(()).uniform_(0.004, 0.006, generator=r.host)  # E2M1 rms ~2.9, scales ~1.5
+    # E2M1 rms ~2.9 times scales rms ~2.2: spread ~6.3 s2 (0.02: s2 ~0.0032)
+    s2 = torch.empty(()).uniform_(0.8, 1.2, generator=r.host) * std / 6.3
     return codes, scales, s2
 
 
-def random_weight(r: Rand, fmt: str, out: int, inp: int, name: str = "") -> QuantWeight:
-    """One `[out, in]` weight in `fmt` (a key of FORMATS, or "f32"), on r's device."""
+def random_weight(r: Rand, fmt: str, out: int, inp: int, name: str = "",
+                  std: float = STD) -> QuantWeight:
+    """One `[out, in]` weight in `fmt` (a key of FORMATS, or "f32"), on r's device, its
+    values of spread about `std` in every format."""
     if fmt == "f32":
-        return QuantWeight(r.normal((out, inp), STD), "f32", (out, inp), source=name)
+        return QuantWeight(r.normal((out, inp), std), "f32", (out, inp), source=name)
     kind, qtype, block = FORMATS[fmt]
     if inp % block:
-        return random_weight(r, "q8_0" if inp % 32 == 0 else "bf16", out, inp, name)
+        return random_weight(r, "q8_0" if inp % 32 == 0 else "bf16", out, inp, name, std)
     if kind == "bf16":
-        return QuantWeight(r.normal((out, inp), STD, torch.bfloat16), "bf16", (out, inp),
+        return QuantWeight(r.normal((out, inp), std, torch.bfloat16), "bf16", (out, inp),
                            source=name)
     if kind == "nvfp4":
-        codes, scales, s2 = _nvfp4(r, out, inp)
+        codes, scales, s2 = _nvfp4(r, out, inp, std)
         return QuantWeight(codes, "nvfp4", (out, inp), scales=scales, scale2=s2, source=name)
-    return QuantWeight(_gguf_blocks(r, qtype, out, inp), "gguf", (out, inp),
+    return QuantWeight(_gguf_blocks(r, qtype, out, inp, std), "gguf", (out, inp),
                        ggml_type=int(qtype), source=name)
 
 
@@ -281,7 +306,15 @@ class DummySource:
         role = _role(prefix)
         fmt = self.fmt if role == "ffn" or self.fmt == "bf16" else "q8_0"
         rand = self.expert_rand if ".experts." in prefix else self.rand
-        return random_weight(rand, "f32" if role == "float" else fmt, out, inp, name), [name]
+        return random_weight(rand, "f32" if role == "float" else fmt, out, inp, name,
+                             self._std(prefix)), [name]
+
+    def _std(self, prefix: str) -> float:
+        """The spread of a matrix's values (see "Routing" in the module docstring)."""
+        _, mod = self.shapes[prefix + ".weight"]
+        if isinstance(mod, Embedding):  # rows of rms EMBED_RMS after the model's scale
+            return EMBED_RMS / mod.scale
+        return OUT_STD if prefix.endswith((".o_proj", ".out_proj")) else STD
 
 
 def load_dummy(model: str | os.PathLike | None, fmt: str = "bf16", layers: int | None = None,
