@@ -187,8 +187,9 @@ def _gguf_blocks(r: Rand, qtype: T, rows: int, cols: int, std: float = STD) -> t
     if qtype == T.Q8_0:  # d (fp16) then 32 int8: values d * q, |q| <= 128, rms of q ~74
         b[..., 0:2] = _f16_bytes(r.uniform((*b.shape[:2], 1), 0.5, 1.5) * std / 74)
     elif qtype == T.Q4_K:  # d, dmin (fp16), 12 bytes of 6-bit scales / mins, 128 code bytes
-        # value = d * sc * q - dmin * m: rms ~265 d for random sc, m, q (0.02: d ~0.75e-4)
-        d = r.uniform((*b.shape[:2], 1), 0.5, 1.5) * std / 265
+        # value = d * sc * q - dmin * m: rms ~265 d for random sc, m, q. 0.02: d in
+        # [6.4e-5, 9.4e-5], above fp16's smallest normal (6.1e-5): no subnormal scales
+        d = r.uniform((*b.shape[:2], 1), 0.85, 1.25) * std / 265
         b[..., 0:2] = _f16_bytes(d)
         # mean sc = mean m and mean q = 7.5: zero mean on average
         b[..., 2:4] = _f16_bytes(7.5 * d)
