@@ -55,8 +55,9 @@ sweep() {  # sweep NAME SECONDS MODEL FORMAT BACKENDS RATES BATCHES TOKENS [extr
 }
 
 if [ "$mode" != full ]; then
-  stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_slot_cache.py \
-    tests/moe/test_slot_plan.py tests/moe/test_backends.py -k "cuda or slot"
+  stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_handoff.py \
+    tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
+    tests/moe/test_prefill_stream.py -k "cuda or slot or handoff"
   sweep smoke 240 qwen3-30b-a3b q4_k offload,cpu,hybrid 0.1 1,4 8 --dummy-layers 2 \
     --prompt-lens 512
   if [ -n "$base" ]; then  # the same runs with the code before this change (no sweep flag)

@@ -6,6 +6,7 @@
 
 #include "cpu_features.h"
 #include "executor.h"
+#include "handoff.h"
 
 namespace nb = nanobind;
 using ft::Bank;
@@ -147,6 +148,30 @@ NB_MODULE(_cpu_moe, m) {
       .def("prep", [](const Executor& ex, int fmt, uintptr_t x, int64_t K) {
         return as_bytes(ex.prep(static_cast<ft::Fmt>(fmt), ptr<const float>(x), K));
       });
+
+  nb::class_<ft::HandoffWorker>(m, "HandoffWorker")
+      .def(
+          "__init__",
+          [](ft::HandoffWorker* w, Executor& ex, uintptr_t buf, const nb::dict& offsets,
+             int64_t spin_us) {
+            ft::HandoffLayout l;
+            auto get = [&](const char* key) { return nb::cast<int64_t>(offsets[key]); };
+            l.go = get("go"), l.done = get("done"), l.live = get("live");
+            l.error = get("error"), l.job = get("job"), l.ids = get("ids");
+            l.weights = get("weights"), l.map = get("map"), l.x = get("x"), l.out = get("out");
+            l.max_tokens = get("max_tokens"), l.top_k = get("top_k");
+            l.num_experts = get("num_experts"), l.hidden = get("hidden");
+            new (w) ft::HandoffWorker(&ex, ptr<uint8_t>(buf), l, spin_us);
+          },
+          nb::keep_alive<1, 2>())
+      .def(
+          "set_layer",
+          [](ft::HandoffWorker& w, int64_t layer, const Bank& w13, const Bank& w2,
+             uintptr_t scales) { w.set_layer(layer, w13, w2, ptr<const float>(scales)); })
+      .def("post", &ft::HandoffWorker::post)
+      .def("wait", &ft::HandoffWorker::wait, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("last_error", &ft::HandoffWorker::last_error)
+      .def_prop_ro("jobs", &ft::HandoffWorker::jobs);
 
   m.def("supported_tiers", &ft::supported_tiers);
   m.def("core_clock_ghz", &ft::core_clock_ghz, nb::arg("seconds") = 0.05,

@@ -87,7 +87,8 @@ class Engine:
         self.runner = ModelRunner(model, num_pages, config.page_size, self.dtype, self.device,
                                   config.max_running_requests if hybrid else 0,
                                   max_model_len=self.max_model_len,
-                                  cuda_graph_max_bs=self._graph_max_bs(config))
+                                  cuda_graph_max_bs=self._graph_max_bs(config),
+                                  step_hook=self.moe.begin_step if self.moe else None)
         # The expert-cache backends' host work (the executor's pool, the hand-offs) runs
         # inside the forward: torch's own CPU threads stay out of its way during decode.
         self.runner.single_thread_decode |= self.moe is not None
@@ -102,11 +103,15 @@ class Engine:
         """Largest decode batch captured as a CUDA graph (0: none; the CPU never captures)."""
         if config.disable_cuda_graph or self.device.type != "cuda":
             return 0
-        if self.moe is not None:  # NOTE: a replay would skip the backend's host-side work
-            logger.info("CUDA graphs off: the %s MoE backend runs host code inside the "
-                        "forward; decode runs eagerly", self.moe.backend)
-            return 0
-        return config.cuda_graph_max_bs or config.max_running_requests
+        want = config.cuda_graph_max_bs or config.max_running_requests
+        if self.moe is not None:  # the expert cache's decode path is all kernels
+            got = self.moe.graph_max_bs(want)
+            if got < want:
+                logger.info("CUDA graphs for decode batches up to %d (not %d): the %s MoE "
+                            "backend's calls of more tokens run eagerly", got, want,
+                            self.moe.backend)
+            return got
+        return want
 
     def _load(self, config: EngineConfig, tokenizer: Tokenizer | None):
         from freetoken.assets import resolve_model

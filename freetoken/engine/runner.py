@@ -50,10 +50,12 @@ class ModelRunner:
     def __init__(
         self, model, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
         num_state_slots: int = 0, *, max_model_len: int | None = None,
-        cuda_graph_max_bs: int = 0,
+        cuda_graph_max_bs: int = 0, step_hook=None,
     ) -> None:
         """`cuda_graph_max_bs` > 0 on a CUDA device: capture decode graphs for batches up to
-        that size now, at start-up (0, or a CPU device: every step runs eagerly)."""
+        that size now, at start-up (0, or a CPU device: every step runs eagerly). `step_hook`
+        (num_tokens) runs before every forward, graph replays included (the MoE runtime's
+        begin_step)."""
         self.model = model
         self.page_size = page_size
         self.device = torch.device(device)
@@ -73,6 +75,7 @@ class ModelRunner:
             self.states = alloc_states(model.state_shapes(), num_state_slots + 1, device)
             self.free_slots = list(range(num_state_slots - 1, -1, -1))
         self.graphs = None
+        self.step_hook = step_hook
         # Decode steps with torch's intra-op threads at 1 (cpu_kernels.torch_threads): on the
         # CPU the weights run on the executor's pool between small torch ops.
         self.single_thread_decode = self.device.type == "cpu"
@@ -109,6 +112,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> torch.Tensor:
         ctx, input_ids = self.prepare(batch)
+        if self.step_hook is not None:
+            self.step_hook(input_ids.shape[0])
         if self.graphs is not None and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, ctx)
         if self.single_thread_decode and ctx.is_decode:

@@ -5,13 +5,18 @@ One `ExpertCache` serves every MoE layer of a model (one slot pool, one executor
 layer's FusedExperts calls `LayerBackend`, which has the MoEFn signature of backends.py. Per
 layer call, with M missing experts (distinct experts the call routes to that no slot holds):
 - offload: F = M (when the misses outnumber the slots the call may evict, the rest are
-  fetched and computed in further rounds);
+  fetched and computed in further rounds; inside a CUDA graph, which cannot loop on the
+  host, the CPU computes them);
 - cpu: F = 0 (every miss to the CPU executor);
 - hybrid: F = round(q* M), capped by --moe-hybrid-max-fetch (policy.py);
-- a call of PREFILL_TOKENS tokens or more fetches every miss whatever the backend.
+- a call of PREFILL_TOKENS tokens or more is streamed (moe/prefill_stream.py) or fetches
+  every miss, whatever the backend.
 The device computes the hits and the fetched experts with the fused MoE kernel reading slots
 through the map (`fused_moe(..., expert_map=)`, -1 = not on the device); the CPU computes the
-routes of the other misses from the host banks; the two partial sums are added.
+routes of the other misses from the host banks, handed over through pinned memory with no
+host sync (moe/handoff.py), while the device fetches and computes; the two partial sums are
+added. On a GPU every decision, fill and hand-off of a decode step is a kernel, so the step
+is one CUDA graph.
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ from torch.profiler import record_function
 
 from freetoken.kernels.moe import fused_moe
 from freetoken.moe.banks import ExpertBank
+from freetoken.moe.handoff import Handoff
 from freetoken.moe.host_banks import executor_bank
 from freetoken.moe.policy import FetchPolicy
 from freetoken.moe.slot_cache import SlotCache
 
 logger = logging.getLogger(__name__)
 CACHE_BACKENDS = ("offload", "hybrid", "cpu")
-# A layer call with this many tokens (a prefill) fetches every miss on every backend: the
-# device computes many tokens per expert byte, the CPU executor few. (The seed streams such
-# steps through a double buffer beside the cache; here they go through the slot cache.)
+# A layer call with this many tokens (a prefill) runs every expert on the device, whatever the
+# backend: the device computes many tokens per expert byte, the CPU executor few.
 PREFILL_TOKENS = 64
 
 
@@ -46,27 +51,31 @@ class ExpertCache:
     """
 
     def __init__(self, hosts: list[ExpertBank], num_slots: int, device: torch.device,
-                 fetch_limit: Callable, cpu_threads: int | None = None):
+                 fetch_limit: Callable, cpu_threads: int | None = None, top_k: int = 1):
         self.hosts = hosts
         self.cache = SlotCache(hosts, num_slots, device)
         self.cache.warm(hosts)
         self.fetch_limit = fetch_limit
         self.device = torch.device(device)
+        self.top_k = top_k
         self.fetch_all = getattr(fetch_limit, "q", 0.0) is None  # offload: nothing to the CPU
         self._exec_banks: list[ExpertBank | None] = [executor_bank(h) for h in hosts]
         self._cpu_threads = cpu_threads
         self._executor = None
+        self._handoff: Handoff | None = None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Set by moe/runtime.py when prefill streaming is on: an object whose
         # forward(layer, x, ids, w, activation) -> y computes a call of PREFILL_TOKENS tokens
         # or more (moe/prefill_stream.py); None: such calls go through the slot cache.
         self.prefill = None
-        for i, b in enumerate(self._exec_banks):
-            if b is None:
-                logger.warning("MoE layer %d: the CPU executor has no kernel for experts in %s "
-                               "(ggml type %s): its CPU-computed misses run the torch "
-                               "reference on the host", i, hosts[i].w13.fmt,
-                               hosts[i].w13.ggml_type)
+        missing = [(i, h) for i, (h, b) in enumerate(zip(hosts, self._exec_banks)) if b is None]
+        if missing and not self.fetch_all:
+            i, h = missing[0]
+            raise ValueError(f"MoE layer {i}: the CPU executor has no kernel for experts in "
+                             f"{h.w13.fmt} (ggml type {h.w13.ggml_type}), so the "
+                             f"{'cpu' if fetch_limit.q == 0 else 'hybrid'} backend cannot "
+                             "compute its misses: use --moe-backend offload")
+        self.cpu_capable = not missing
 
     @property
     def executor(self):
@@ -78,55 +87,95 @@ class ExpertCache:
             logger.info("CPU MoE executor: %s", self._executor)
         return self._executor
 
+    @property
+    def handoff(self) -> Handoff:
+        """The CPU hand-off (its worker thread started on first use)."""
+        if self._handoff is None:
+            self._handoff = Handoff(self.executor, self._exec_banks, self.top_k, self.device,
+                                    PREFILL_TOKENS)
+        return self._handoff
+
+    def graph_max_bs(self, max_bs: int) -> int:
+        """The largest decode batch a CUDA graph may hold: any, when the CPU can take what
+        the slots cannot (offload's leftovers inside a graph go to the CPU); else as many
+        tokens as never overflow the slots (offload without an executor kernel)."""
+        if self.cpu_capable:
+            return min(max_bs, PREFILL_TOKENS - 1)
+        return min(max_bs, self.cache.num_slots // self.top_k)
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Before a step (a graph replay included): its real token count for the hand-off."""
+        if self._handoff is not None:
+            self._handoff.set_live(num_tokens)
+
+    def after_step(self) -> None:
+        """Raise what the hand-off's worker or wait reported during the step."""
+        if self._handoff is not None:
+            self._handoff.check()
+
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 activation: str) -> torch.Tensor:
-        """One layer call: plan (device); the CPU's share read to the host; the fetches and the
-        device kernel (hits + fetched) queued; the CPU executor runs while the device works;
-        the two partial sums added. The phases are profiler ranges (moe.*: `ft bench decode
-        --profile` sums them per step)."""
-        if self.prefill is not None and ids.shape[0] >= PREFILL_TOKENS:
+        """One layer call. Prefill-sized calls: the streamer, or every miss fetched. Eager
+        offload: every miss fetched, in rounds when they outnumber the free slots. Otherwise
+        (cpu, hybrid, and offload inside a CUDA graph) the hand-off path, which has no host
+        sync. The phases are profiler ranges (moe.*: `ft bench decode --profile` sums them)."""
+        T = ids.shape[0]
+        if self.prefill is not None and T >= PREFILL_TOKENS:
             return self.prefill.forward(layer, x, ids, w, activation)
+        if T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()):
+            return self._fetch_all(layer, x, ids, w, activation)
+        return self._split(layer, x, ids, w, activation)
+
+    def _split(self, layer: int, x, ids, w, activation: str) -> torch.Tensor:
+        """Plan (hits, fetches, the CPU's misses) on the device; the CPU's job posted; the
+        fetches copied into their slots; the device kernel over hits and fetched experts;
+        the CPU's answer added. Offload (graphs only) posts a job only when a call's misses
+        can outnumber the slots: their leftovers are the CPU's."""
         c = self.cache
-        fetch_all = self.fetch_all or ids.shape[0] >= PREFILL_TOKENS
+        T = ids.shape[0]
+        capturing = _capturing()
+        to_cpu = not self.fetch_all or c.num_slots < T * self.top_k
+        ho = self.handoff if to_cpu else None
+        if ho is not None and not capturing:
+            ho.set_live(T)  # an eager call's rows are all real
         with record_function("moe.plan"):
-            fetched = c.plan(layer, ids, _ALL if fetch_all else self.fetch_limit)
-            emap = c.expert_map(layer)  # the map already names the slots being filled
-        job = None
-        if not fetch_all:
+            live = ho._word["live"] if ho is not None and self.device.type == "cuda" else None
+            fetched = c.plan(layer, ids, _ALL if self.fetch_all else self.fetch_limit,
+                             live=live)
+            E = c.num_experts
+            emap = c.slot_of[layer * E:(layer + 1) * E]  # hits and fetched: a slot; else -1
+        if ho is not None:
             with record_function("moe.to_host"):
-                fetched, job = self._to_host(x, ids, w, emap, fetched)
+                ho.send(layer, x, ids, w, emap, activation)
+        with record_function("moe.fill"):
+            if c.device_fill:
+                c.fill_on_device(layer, self.hosts[layer], fetched)
+            elif capturing:
+                raise RuntimeError("the slot cache cannot be filled inside a CUDA graph "
+                                   "(a part's bytes are not a multiple of 4)")
+            else:
+                self._fill(layer, fetched)
+        with record_function("moe.device"):
+            y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
+        if ho is None:
+            return y
+        with record_function("moe.cpu"):
+            return ho.receive(y)
+
+    def _fetch_all(self, layer: int, x, ids, w, activation: str) -> torch.Tensor:
+        """Every miss fetched and computed on the device, in rounds when the misses outnumber
+        the slots the call may evict (a small cache, a prefill); each round may evict the
+        last round's slots, whose routes are done. Exact: every route runs the device kernel.
+
+        NOTE: a host loop (one sync a round): eager steps only."""
+        c = self.cache
+        with record_function("moe.plan"):
+            fetched = c.plan(layer, ids, _ALL)
+            emap = c.expert_map(layer)  # the map already names the slots being filled
         with record_function("moe.fill"):
             self._fill(layer, fetched)
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
-        if fetch_all:
-            return self._more_rounds(layer, x, ids, w, emap, y, activation)
-        if job is None:
-            return y
-        with record_function("moe.cpu"):
-            cpu = self._cpu_run(layer, x.shape, job, activation)
-        with record_function("moe.sum"):
-            return (y.float() + cpu.to(y.device)).to(x.dtype)
-
-    def _fill(self, layer: int, fetched: torch.Tensor) -> None:
-        """Copy the fetched experts into their slots on the copy stream, which first waits for
-        the compute stream (an evicted slot may still be read by a queued kernel); compute
-        then waits for the copies."""
-        if self.stream is None:
-            self.cache.fill(layer, self.hosts[layer], fetched)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        self.cache.fill(layer, self.hosts[layer], fetched, self.stream)
-        compute.wait_stream(self.stream)
-
-    def _more_rounds(self, layer: int, x, ids, w, emap, y, activation: str) -> torch.Tensor:
-        """offload when a call's misses outnumber the slots it may evict (a small cache, a
-        prefill): fetch and compute the rest round by round; each round may evict the last
-        round's slots, whose routes are done. Exact: every route runs the device kernel.
-
-        NOTE: a host loop (one sync a round); a prefill should stream whole banks instead."""
-        c = self.cache
         left = emap.long()[ids.long()] < 0  # [T, k] routes not computed yet
         y = y.float()
         while bool(left.any()):
@@ -139,67 +188,25 @@ class ExpertCache:
             left &= emap.long()[ids.long()] < 0
         return y.to(x.dtype)
 
-    def _to_host(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                 emap: torch.Tensor, fetched: torch.Tensor) -> tuple[torch.Tensor, tuple | None]:
-        """The fetch list and the CPU's share on the host in one transfer (each read of a
-        device tensor is a sync on a GPU: one per tensor cost tens of microseconds a layer):
-        int64 fetch list, CPU-route mask and ids, then x and the routing weights as fp32, all
-        as bytes. Returns (fetched on the host, (rows, ids, weights, x rows) or None when the
-        CPU has no routes).
-
-        NOTE: made before the device work is queued, so that the executor then overlaps it;
-        the CUDA-graph hand-off (a host function on the stream) is not built yet."""
-        T, k = ids.shape
-        H = x.shape[1]
-        on_cpu = emap.long()[ids.long()] < 0  # [T, k]
-        ints = torch.cat([fetched.reshape(-1), on_cpu.reshape(-1).long(), ids.reshape(-1).long()])
-        floats = torch.cat([x.float(), w.float()], dim=1).reshape(-1)  # [T * (H + k)]
-        packed = torch.cat([ints.view(torch.uint8), floats.view(torch.uint8)]).cpu()
-        ints_h = packed[:ints.numel() * 8].view(torch.int64)
-        n = fetched.shape[1]
-        fetched_h = ints_h[:2 * n].view(2, n)
-        on_cpu_h = ints_h[2 * n:2 * n + T * k].view(T, k).bool()
-        if not bool(on_cpu_h.any()):
-            return fetched_h, None
-        ids_h = ints_h[2 * n + T * k:].view(T, k)
-        xw = packed[ints.numel() * 8:].view(torch.float32).view(T, H + k)
-        rows, ids_c, w_c = _compact(on_cpu_h, ids_h, xw[:, H:])
-        return fetched_h, (rows, ids_c, w_c.contiguous(), xw[rows, :H].contiguous())
-
-    def _cpu_run(self, layer: int, shape: torch.Size, job: tuple, activation: str
-                 ) -> torch.Tensor:
-        """fp32 [T, H]: the CPU's routes computed from the host bank (zeros elsewhere)."""
-        rows, ids_c, w_c, xh = job
-        bank = self._exec_banks[layer]
-        if bank is None:  # no executor kernel: the torch reference on the host bank
-            part = fused_moe(xh, self.hosts[layer], ids_c, w_c, activation).float()
-        else:
-            part = self.executor.forward(xh, ids_c, w_c, bank.w13, bank.w2, bank.scales,
-                                         activation)
-        out = torch.zeros(shape[0], shape[1], dtype=torch.float32)
-        out[rows] = part
-        return out
+    def _fill(self, layer: int, fetched: torch.Tensor) -> None:
+        """Copy the fetched experts into their slots on the copy stream, which first waits for
+        the compute stream (an evicted slot may still be read by a queued kernel); compute
+        then waits for the copies. (Reads the fetch list on the host: eager only.)"""
+        if self.stream is None:
+            self.cache.fill(layer, self.hosts[layer], fetched)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        self.cache.fill(layer, self.hosts[layer], fetched, self.stream)
+        compute.wait_stream(self.stream)
 
     def counters(self) -> dict[str, int]:
         """Totals since load: hits, misses, fetched and cpu (distinct experts per layer call)."""
         return self.cache.read_counters()
 
 
-def _compact(on_cpu: torch.Tensor, ids: torch.Tensor, w: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Only the CPU's routes, for the executor (which computes every route it is given):
-    tokens with at least one such route, k' = their most such routes; padding repeats the
-    token's first CPU expert with weight 0 (no extra weight bytes read)."""
-    rows = on_cpu.any(dim=1).nonzero().flatten()
-    m = on_cpu[rows]  # [R, k]
-    kk = int(m.sum(dim=1).max())
-    order = torch.argsort((~m).to(torch.int8), dim=1, stable=True)[:, :kk]  # CPU routes first
-    ids_c = ids[rows].gather(1, order)
-    keep = m.gather(1, order)
-    first = ids_c[:, :1].expand_as(ids_c)
-    ids_c = torch.where(keep, ids_c, first).to(torch.int32).contiguous()
-    w_c = torch.where(keep, w[rows].gather(1, order), torch.zeros(()))
-    return rows, ids_c, w_c
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class LayerBackend:

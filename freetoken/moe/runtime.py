@@ -106,7 +106,7 @@ class MoERuntime:
         prof = find_profile(expert_format(hosts[0])) if backend == "hybrid" else None
         self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof)
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
-                                 config.moe_cpu_threads)
+                                 config.moe_cpu_threads, spec.top_k)
         self.prefill.attach(self.cache.cache)
         self.cache.prefill = self.prefill
         for i, m in enumerate(mods):
@@ -135,9 +135,20 @@ class MoERuntime:
     def counters(self) -> dict[str, int]:
         return self.cache.counters()
 
+    def graph_max_bs(self, max_bs: int) -> int:
+        """The largest decode batch captured as a CUDA graph with this backend."""
+        return self.cache.graph_max_bs(max_bs)
+
+    def begin_step(self, num_tokens: int) -> None:
+        """Called before every forward (a graph replay runs no Python in the model): the
+        step's real tokens, which the hand-off's worker and the plan kernel read."""
+        self.cache.begin_step(num_tokens)
+
     def after_step(self, num_tokens: int, decode: bool) -> None:
         """Count an engine step (called by the engine: a CUDA graph replay runs no Python in
-        the model); every log_interval decode steps log speed and the expert cache."""
+        the model), raise what the CPU hand-off reported in it, and every log_interval decode
+        steps log speed and the expert cache."""
+        self.cache.after_step()
         if not decode or self.log_interval <= 0:
             return
         if self._t0 is None:  # the first decode step starts the clock (not the load)

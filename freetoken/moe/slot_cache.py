@@ -119,6 +119,7 @@ class SlotCache:
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._q: dict[float, torch.Tensor] = {}  # the plan kernel's q values on the device
+        self._fill_tables: dict = {}  # (layer, bank address) -> fill_on_device's part table
 
     @property
     def nbytes(self) -> int:
@@ -137,8 +138,8 @@ class SlotCache:
         return ExpertBank(qw(bank.w13, "w13"), qw(bank.w2, "w2"), v["scales"])
 
     # -- decisions (device tensor ops, no host sync) -----------------------------------------
-    def plan(self, layer: int, ids: torch.Tensor, fetch_limit, count: bool = True
-             ) -> torch.Tensor:
+    def plan(self, layer: int, ids: torch.Tensor, fetch_limit, count: bool = True,
+             live: torch.Tensor | None = None) -> torch.Tensor:
         """Look up layer `layer`'s experts of `ids` [T, k], mark the hits used, and give slots
         to up to `fetch_limit` missing experts (an int, or a policy.FetchPolicy: a 0-dim
         device tensor computed from the miss count), evicting the least recently used slots
@@ -155,7 +156,7 @@ class SlotCache:
             from freetoken.kernels.triton.slot_plan import plan_triton
 
             q, cap = self._q_cap(fetch_limit)
-            return plan_triton(self, layer, ids, q, cap, count)
+            return plan_triton(self, layer, ids, q, cap, count, live)
         base = layer * E
         self.clock += 1
         flat = ids.reshape(-1).long()
@@ -226,6 +227,9 @@ class SlotCache:
         for layer in range(L):
             mine = slots[slots % L == layer]
             self.fill(layer, hosts[layer], torch.stack([mine // L, mine]))
+            if self.device_fill:  # its part table now: a CUDA graph capture cannot make it
+                self.fill_on_device(layer, hosts[layer], torch.full((2, 1), -1,
+                                                                   device=self.device))
 
     def expert_map(self, layer: int) -> torch.Tensor:
         """int32 [E]: the layer's expert -> slot, -1 where not cached (a copy)."""
@@ -260,6 +264,26 @@ class SlotCache:
             for name, t in src.items():
                 dst[name][s].copy_(t[e])
         return rows.shape[1]
+
+    def fill_on_device(self, layer: int, host: ExpertBank, fetched: torch.Tensor) -> None:
+        """`fill` by a GPU kernel that reads the pinned host bank directly (kernels/triton/
+        handoff.py): no host sync, so it can be captured in a CUDA graph. Needs every part's
+        bytes per expert to be a multiple of 4 (`device_fill`)."""
+        from freetoken.kernels.triton.handoff import fill, fill_table
+
+        key = (layer, host.w13.data.data_ptr())
+        if key not in self._fill_tables:  # made before any capture (warm() makes them all)
+            src = bank_tensors(host)
+            parts = [(src[p.name], p.offset, p.nbytes) for p in self.layouts[layer]]
+            self._fill_tables[key] = (fill_table(parts, self.device),
+                                      max(p.nbytes for p in self.layouts[layer]) // 4)
+        table, words = self._fill_tables[key]
+        fill(fetched, self.pool, table, words)
+
+    @property
+    def device_fill(self) -> bool:
+        """Whether fill_on_device can copy every layer's parts (4-byte words)."""
+        return self.pool.is_cuda and all(p.nbytes % 4 == 0 for lay in self.layouts for p in lay)
 
     def read_counters(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counters.tolist()))

@@ -26,10 +26,12 @@ SCAN = 1024  # slots read per chunk of the victim scan
 
 @triton.jit
 def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counters_ptr,
-                 q_ptr, out_ptr, base, cap, count, N,
+                 q_ptr, out_ptr, base, cap, count, N, live_ptr, K,
                  S: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
-                 NB: tl.constexpr, SB: tl.constexpr):
+                 NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr):
     never = 0x7FFFFFFFFFFFFFFF
+    if HAS_LIVE:  # a CUDA graph's padding rows (from `live` on): not routed
+        R = tl.minimum(R, tl.load(live_ptr, volatile=True) * K)
     clock = tl.load(clock_ptr) + 1
     e = tl.arange(0, EB)
     e_ok = e < E
@@ -68,7 +70,8 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
             for s0 in range(0, S, SB):
                 s = s0 + tl.arange(0, SB)
                 lu = tl.load(last_ptr + s, mask=s < S, other=0)
-                k = tl.where((s < S) & (lu != clock), lu * (S + 1) + s, never)
+                # last_use + 1 >= 0 (empty slots: -1): `%` of a negative key is negative
+                k = tl.where((s < S) & (lu != clock), (lu + 1) * (S + 1) + s, never)
                 key = tl.minimum(key, tl.min(k, axis=0))
             slot = key % (S + 1)
             old = tl.load(owner_ptr + slot)
@@ -94,12 +97,13 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
 
 
 def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
-                count: bool) -> torch.Tensor:
+                count: bool, live: torch.Tensor | None = None) -> torch.Tensor:
     """fetched int64 [2, n] for `SlotCache.plan` (see there); q: float64 [1] on the device
     (< 0: every miss), cap: the most to fetch. Route and fetch counts are compiled in as
     powers of two only: offload's later rounds plan other counts, and with the exact count
     compiled in, its batch-4 steps in a 2-layer smoke run took 58 ms compiling (7.6 ms with
-    powers of two, 14 ms with the torch ops)."""
+    powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's pinned
+    `live` word) holding the real tokens of the step; rows past it are ignored."""
     E, S = cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     R = flat.numel()
@@ -107,8 +111,9 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     out = torch.empty(2, n, dtype=torch.int64, device=ids.device)
     _plan_kernel[(1,)](
         flat, R, cache.slot_of, cache.owner, cache.last_use, cache.clock, cache.counters, q,
-        out, layer * E, min(cap, n), int(count), n,
-        S=S, E=E, EB=triton.next_power_of_2(E), RB=max(16, triton.next_power_of_2(R)),
+        out, layer * E, min(cap, n), int(count), n, live if live is not None else out,
+        ids.shape[1] if ids.dim() == 2 else 1, S=S, E=E, EB=triton.next_power_of_2(E),
+        RB=max(16, triton.next_power_of_2(R)),
         NB=max(16, triton.next_power_of_2(n)), SB=min(SCAN, triton.next_power_of_2(S)),
-        num_warps=4)
+        HAS_LIVE=live is not None, num_warps=4)
     return out

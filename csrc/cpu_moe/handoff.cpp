@@ -1,0 +1,168 @@
+// The hand-off worker (handoff.h): one thread, polling `go`; each job's CPU routes compacted
+// (rows with such a route, k' = their most such routes, padding repeats the row's first CPU
+// expert with weight 0) and run as one executor layer call.
+#include "handoff.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+namespace ft {
+
+namespace {
+
+uint32_t load_acquire(const uint8_t* p) {
+  return __atomic_load_n(reinterpret_cast<const uint32_t*>(p), __ATOMIC_ACQUIRE);
+}
+void store_release(uint8_t* p, uint32_t v) {
+  __atomic_store_n(reinterpret_cast<uint32_t*>(p), v, __ATOMIC_RELEASE);
+}
+int64_t now_us() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+float to_f32(const uint8_t* x, int dtype, int64_t i) {
+  if (dtype == 0) return reinterpret_cast<const float*>(x)[i];
+  uint16_t h;
+  std::memcpy(&h, x + 2 * i, 2);
+  return dtype == 1 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+}  // namespace
+
+HandoffWorker::HandoffWorker(Executor* ex, uint8_t* buf, const HandoffLayout& lay,
+                             int64_t spin_us)
+    : ex_(ex), buf_(buf), lay_(lay), spin_us_(spin_us) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+HandoffWorker::~HandoffWorker() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
+void HandoffWorker::set_layer(int64_t layer, const Bank& w13, const Bank& w2,
+                              const float* scales) {
+  if (layer < 0) throw std::invalid_argument("layer must be >= 0");
+  if (w13.E != lay_.num_experts || w2.E != lay_.num_experts || w13.K != lay_.hidden ||
+      w2.N != lay_.hidden || w13.N != 2 * w2.K)
+    throw std::invalid_argument("layer " + std::to_string(layer) +
+                                ": banks do not match the hand-off's experts / hidden size");
+  if (static_cast<size_t>(layer) >= layers_.size()) layers_.resize(layer + 1);
+  layers_[layer] = LayerBanks{w13, w2, scales, true};
+}
+
+void HandoffWorker::post(uint32_t n) { store_release(buf_ + lay_.go, n); }
+
+bool HandoffWorker::wait(uint32_t n) const {
+  // A short spin, then polls 20 us apart: the waiting thread must not take a core from the
+  // worker's pool (on a small machine they share the cores).
+  const int64_t t0 = now_us();
+  while (load_acquire(buf_ + lay_.done) != n) {
+    if (now_us() - t0 < 20)
+      _mm_pause();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return load_acquire(buf_ + lay_.error) == 0;
+}
+
+std::string HandoffWorker::last_error() const {
+  std::lock_guard<std::mutex> g(err_mu_);
+  return err_;
+}
+
+void HandoffWorker::loop() {
+  uint32_t last = load_acquire(buf_ + lay_.go);
+  int64_t idle_since = now_us();
+  while (!stop_.load(std::memory_order_relaxed)) {
+    const uint32_t n = load_acquire(buf_ + lay_.go);
+    if (n != last) {
+      try {
+        run_job();
+      } catch (const std::exception& e) {
+        std::memset(buf_ + lay_.out, 0, lay_.max_tokens * lay_.hidden * sizeof(float));
+        {
+          std::lock_guard<std::mutex> g(err_mu_);
+          err_ = e.what();
+        }
+        store_release(buf_ + lay_.error, 1);
+      }
+      last = n;
+      jobs_.fetch_add(1, std::memory_order_relaxed);
+      store_release(buf_ + lay_.done, n);
+      idle_since = now_us();
+      continue;
+    }
+    // Spin while jobs come (a decode step's layers are microseconds apart), then poll
+    // every 100 us: an idle engine costs little CPU, the first layer after it a little latency.
+    if (now_us() - idle_since < spin_us_) {
+      _mm_pause();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+}
+
+void HandoffWorker::run_job() {
+  const auto* hdr = reinterpret_cast<const int32_t*>(buf_ + lay_.job);
+  const int64_t layer = hdr[0], T = hdr[1];
+  const int act = hdr[2], xdt = hdr[3];
+  const int64_t k = lay_.top_k, E = lay_.num_experts, H = lay_.hidden;
+  if (T < 0 || T > lay_.max_tokens)
+    throw std::invalid_argument("hand-off job of " + std::to_string(T) + " rows (at most " +
+                                std::to_string(lay_.max_tokens) + ")");
+  if (layer < 0 || static_cast<size_t>(layer) >= layers_.size() || !layers_[layer].set)
+    throw std::invalid_argument("hand-off job for MoE layer " + std::to_string(layer) +
+                                ", which has no banks registered");
+  if (act != 0 && act != 1 || xdt < 0 || xdt > 2)
+    throw std::invalid_argument("hand-off job with activation " + std::to_string(act) +
+                                " / x dtype " + std::to_string(xdt));
+  const auto live_raw = static_cast<int32_t>(load_acquire(buf_ + lay_.live));
+  const int64_t live = std::max<int64_t>(0, std::min<int64_t>(live_raw, T));
+  const auto* ids = reinterpret_cast<const int32_t*>(buf_ + lay_.ids);
+  const auto* w = reinterpret_cast<const float*>(buf_ + lay_.weights);
+  const auto* map = reinterpret_cast<const int32_t*>(buf_ + lay_.map);
+  const uint8_t* x = buf_ + lay_.x;
+  auto* out = reinterpret_cast<float*>(buf_ + lay_.out);
+  std::memset(out, 0, T * H * sizeof(float));
+
+  rows_.clear();
+  int64_t kk = 0;
+  for (int64_t t = 0; t < live; ++t) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t id = ids[t * k + j];
+      if (id < 0 || id >= E)
+        throw std::invalid_argument("hand-off job: expert id " + std::to_string(id) +
+                                    " of row " + std::to_string(t) + " is outside [0, " +
+                                    std::to_string(E) + ")");
+      c += map[id] < 0;
+    }
+    if (c) rows_.push_back(t), kk = std::max(kk, c);
+  }
+  const int64_t R = static_cast<int64_t>(rows_.size());
+  if (R == 0) return;
+  idc_.resize(R * kk), wc_.resize(R * kk), xc_.resize(R * H), yc_.resize(R * H);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = rows_[r];
+    int64_t c = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t id = ids[t * k + j];
+      if (map[id] < 0) idc_[r * kk + c] = id, wc_[r * kk + c] = w[t * k + j], ++c;
+    }
+    for (int64_t j = c; j < kk; ++j) idc_[r * kk + j] = idc_[r * kk], wc_[r * kk + j] = 0.f;
+    for (int64_t h = 0; h < H; ++h) xc_[r * H + h] = to_f32(x, xdt, t * H + h);
+  }
+  const LayerBanks& b = layers_[layer];
+  LayerArgs a{xc_.data(), R, kk, idc_.data(), wc_.data(), b.w13, b.w2, b.scales,
+              static_cast<Act>(act), yc_.data(), false};
+  ex_->forward(a);
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(out + rows_[r] * H, yc_.data() + r * H, H * sizeof(float));
+}
+
+}  // namespace ft

@@ -1,0 +1,75 @@
+// The CPU side of the expert-cache hand-off (freetoken/moe/handoff.py): a thread that waits
+// for jobs in pinned host memory, computes each job's CPU routes with the executor and
+// signals the result back, with no Python and no CUDA call on the way, so the GPU side can
+// sit inside a CUDA graph (its kernels write the job and a `go` number, then poll `done`).
+//
+// Buffer (one pinned allocation; byte offsets given at construction, see HandoffLayout):
+//   go    uint32  the job's number (written last by the producer, release)
+//   done  uint32  the number of the last job answered (written by this thread, release)
+//   live  int32   real tokens of the step (rows >= live are a CUDA graph's padding)
+//   error int32   non-zero after a job failed (the message: last_error()); its out is zeros
+//   job   int32 layer, T rows written, activation, x dtype (0 f32, 1 bf16, 2 f16), then
+//         ids int32 [T, k], weights fp32 [T, k], map int32 [E] (expert -> slot, -1: the
+//         CPU's), x [T, H]
+//   out   fp32 [T, H]: the CPU routes' weighted sum per row (zeros where it has none)
+// A route is the CPU's when its row is live and map[id] < 0.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "executor.h"
+
+namespace ft {
+
+struct HandoffLayout {
+  int64_t go = 0, done = 0, live = 0, error = 0, job = 0, ids = 0, weights = 0, map = 0,
+          x = 0, out = 0;
+  int64_t max_tokens = 0, top_k = 0, num_experts = 0, hidden = 0;
+};
+
+class HandoffWorker {
+ public:
+  // `ex` must outlive the worker and be used by no other thread while it runs.
+  HandoffWorker(Executor* ex, uint8_t* buf, const HandoffLayout& lay, int64_t spin_us);
+  ~HandoffWorker();
+
+  // Layer `layer`'s host banks (the executor's layout) and its [E, 4] scales.
+  void set_layer(int64_t layer, const Bank& w13, const Bank& w2, const float* scales);
+  // Producer side from the host (the CPU standing in as the device, tests): post job n
+  // (the job already written), and wait for done == n (returns false on a worker error).
+  void post(uint32_t n);
+  bool wait(uint32_t n) const;
+  std::string last_error() const;
+  int64_t jobs() const { return jobs_.load(std::memory_order_relaxed); }
+
+ private:
+  void loop();
+  void run_job();
+
+  Executor* ex_;
+  uint8_t* buf_;
+  HandoffLayout lay_;
+  int64_t spin_us_;
+  struct LayerBanks {
+    Bank w13, w2;
+    const float* scales = nullptr;
+    bool set = false;
+  };
+  std::vector<LayerBanks> layers_;
+  // the compacted job: rows with a CPU route, their x (fp32), ids and weights
+  std::vector<int64_t> rows_;
+  std::vector<float> xc_, wc_, yc_;
+  std::vector<int32_t> idc_;
+  mutable std::mutex err_mu_;
+  std::string err_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> jobs_{0};
+  std::thread thread_;
+};
+
+}  // namespace ft

@@ -1,0 +1,163 @@
+"""GPU kernels of the expert-cache hand-off (freetoken/moe/handoff.py) and of slot fills, with
+no host sync and no host call, so that a decode step with the offload, hybrid or cpu backend
+stays one CUDA graph.
+
+Host memory is reached directly: the hand-off buffer is pinned (cudaHostAlloc) and the host
+banks are registered with CUDA (moe/host_banks.py); on a system with unified addressing
+both are mapped at the same address on the device, which Triton takes as a pointer.
+- `send`: one program writes a layer call's job (ids, weights, the layer's expert -> slot
+  map, x) into the buffer, then `go` = the next job number after a system-scope fence by
+  every thread and a CTA barrier (the CPU worker sees the whole job once it sees `go`).
+- `receive_add`: every program polls `done` until it equals the job number (a bounded wait:
+  after TIMEOUT_S it gives up and sets the buffer's timeout word, which the host turns into an
+  error after the step, rather than hang the GPU), fences, then y + out in fp32.
+- `fill`: copies fetched experts (the plan's (expert, slot) list, -1 = nothing) from the
+  host bank's parts into their slots: a grid over (fetch, part, chunk) of PCIe reads; each
+  part's host address, slot offset and size come from a small table on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TIMEOUT_S = 30.0  # a hand-off answered later than this is an error (the worker died or hung)
+FILL_CHUNK = 4096  # 4-byte words one fill program copies
+
+
+@triton.jit
+def _fence_sys(v):
+    """membar.sys on every thread; returns v (a data dependency for what must come after)."""
+    return tl.inline_asm_elementwise("membar.sys;\n\tmov.b32 $0, $1;", "=r,r", [v],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _now_ns(v):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [v], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+                 o_go, o_job, o_ids, o_w, o_map, o_x,
+                 H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.load(seq_ptr) + 1
+    tl.store(seq_ptr, n)
+    tl.store(hi32 + o_job, layer)
+    tl.store(hi32 + o_job + 1, T)
+    tl.store(hi32 + o_job + 2, act)
+    tl.store(hi32 + o_job + 3, xdt)
+    offs = tl.arange(0, BLOCK)
+    tk = T * K
+    for s in range(0, tk, BLOCK):
+        m = s + offs < tk
+        tl.store(hi32 + o_ids + s + offs, tl.load(ids_ptr + s + offs, mask=m).to(tl.int32),
+                 mask=m)
+        tl.store(hf32 + o_w + s + offs, tl.load(w_ptr + s + offs, mask=m).to(tl.float32),
+                 mask=m)
+    for s in range(0, E, BLOCK):
+        m = s + offs < E
+        tl.store(hi32 + o_map + s + offs, tl.load(map_ptr + s + offs, mask=m), mask=m)
+    th = T * H
+    for s in range(0, th, BLOCK):
+        m = s + offs < th
+        tl.store(hx + o_x + s + offs, tl.load(x_ptr + s + offs, mask=m), mask=m)
+    n = _fence_sys(n)
+    tl.debug_barrier()
+    tl.store(hi32 + o_go, n)
+
+
+@triton.jit
+def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_out, N,
+                    timeout_ns, BLOCK: tl.constexpr):
+    n = tl.load(seq_ptr)
+    t0 = _now_ns(n)
+    d = tl.load(hi32 + o_done, volatile=True)
+    waited = t0 - t0
+    while (d != n) & (waited < timeout_ns):
+        d = tl.load(hi32 + o_done, volatile=True)
+        waited = _now_ns(d) - t0
+    if d != n:
+        tl.store(hi32 + o_timeout, 1)
+    d = _fence_sys(d)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    c = tl.load(hf32 + o_out + offs + (d - d), mask=m, other=0.0, cache_modifier=".cv")
+    y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (y + c).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _fill_kernel(fetched_ptr, n, pool_ptr, slot_words, table_ptr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    part = tl.program_id(1)
+    c0 = tl.program_id(2) * CHUNK
+    e = tl.load(fetched_ptr + i)
+    s = tl.load(fetched_ptr + n + i)
+    src = tl.load(table_ptr + part * 3).to(tl.pointer_type(tl.int32))
+    off = tl.load(table_ptr + part * 3 + 1)
+    nw = tl.load(table_ptr + part * 3 + 2)
+    if (e >= 0) & (c0 < nw):
+        src_e = src + e * nw
+        dst = pool_ptr + s * slot_words + off
+        offs = tl.arange(0, BLOCK)
+        for b in range(0, CHUNK, BLOCK):
+            j = c0 + b + offs
+            m = j < nw
+            tl.store(dst + j, tl.load(src_e + j, mask=m), mask=m)
+
+
+def send(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, emap: torch.Tensor,
+         seq: torch.Tensor, buf: torch.Tensor, off: dict, layer: int, act: int, xdt: int) -> None:
+    """Write a layer call's job into the pinned buffer and post it (see the module docstring).
+    off: the buffer's byte offsets (moe/handoff.py)."""
+    T, H = x.shape
+    K = ids.shape[1]
+    hi32, hf32 = buf.view(torch.int32), buf.view(torch.float32)
+    hx = buf.view(x.dtype)
+    xs = x.element_size()
+    _send_kernel[(1,)](
+        x.contiguous(), ids.contiguous(), w.contiguous(), emap, seq, hi32, hf32, hx, layer, act,
+        xdt, T, off["go"] // 4, off["job"] // 4, off["ids"] // 4, off["weights"] // 4,
+        off["map"] // 4, off["x"] // xs, H=H, K=K, E=emap.numel(), BLOCK=1024, num_warps=8)
+
+
+def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
+                ) -> torch.Tensor:
+    """y + the CPU's out (fp32 sum, y's dtype), after waiting for the worker's answer."""
+    out = torch.empty_like(y)
+    N = y.numel()
+    BLOCK = 1024
+    _receive_kernel[(triton.cdiv(N, BLOCK),)](
+        y.contiguous(), out, seq, buf.view(torch.int32), buf.view(torch.float32),
+        off["done"] // 4, off["timeout"] // 4, off["out"] // 4, N, int(TIMEOUT_S * 1e9),
+        BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> torch.Tensor:
+    """int64 [P, 3] on the device: (address of the pinned host part, its word offset in a slot,
+    words per expert) for `fill`. With unified addressing a registered host buffer has the same
+    address on the device."""
+    for t, _, nbytes in parts:
+        if nbytes % 4 or not t.is_contiguous() or t.data_ptr() % 4:
+            raise ValueError(f"fill: a host part of {nbytes} B per expert is not whole 4-byte "
+                             "words")
+    return torch.tensor([[t.data_ptr(), off // 4, nbytes // 4] for t, off, nbytes in parts],
+                        dtype=torch.int64, device=device)
+
+
+def fill(fetched: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, max_words: int
+         ) -> None:
+    """Copy fetched experts into slots. fetched int64 [2, n] (expert, slot; -1 = none) on the
+    device; pool uint8 [S, slot_bytes] on the device; table: `fill_table` of the layer's parts;
+    max_words: its largest part's words per expert."""
+    n = fetched.shape[1]
+    if n == 0:
+        return
+    _fill_kernel[(n, table.shape[0], triton.cdiv(max_words, FILL_CHUNK))](
+        fetched, n, pool.view(torch.int32), pool.shape[1] // 4, table,
+        CHUNK=FILL_CHUNK, BLOCK=1024, num_warps=4)

@@ -1,0 +1,146 @@
+"""The hand-off between the device and the CPU executor for the cpu and hybrid backends (and
+offload's leftovers inside a CUDA graph): one pinned host buffer, a C++ worker thread that
+answers jobs in it, and a producer that writes them.
+
+A layer call's CPU share goes like this (DESIGN.md: cache decisions never leave the GPU
+inside a graph, and neither does the hand-off):
+1. the producer writes the job (ids, routing weights, the layer's expert -> slot map after
+   the plan, x) and posts its number in `go`;
+2. the worker (csrc/cpu_moe/handoff.cpp, no Python, no CUDA call) sees it, computes the routes
+   whose expert has no slot on live rows with the executor, writes `out` and sets `done`;
+3. meanwhile the device fetches and computes its own routes; then it waits for `done` and
+   adds `out`.
+On a GPU the producer is two Triton kernels (kernels/triton/handoff.py), so the whole step can
+be captured; the token count of a graph's step (its padding rows are not computed) is written
+to the buffer's `live` word by the host before each replay. With the CPU standing in as the
+device, the producer is a few tensor copies and `post` / `wait` from Python: the worker and
+its compaction are the same code as on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.moe.banks import ExpertBank
+from freetoken.moe.cpu_executor import ACTIVATIONS, _ext, make_bank
+
+# bytes; each word on a cache line of its own (the worker polls `go`, the GPU `done`)
+_HEADER = {"go": 0, "done": 64, "live": 128, "error": 192, "timeout": 196, "job": 256}
+_XDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The worker polls without sleeping this long after a job: on a GPU a decode step's layers
+# come tens of microseconds apart; with the CPU standing in as the device the producer
+# computes on the same cores, and a spinning worker would take one from it.
+SPIN_US = {"cuda": 50_000, "cpu": 200}
+
+
+def _align(n: int, a: int = 64) -> int:
+    return -(-n // a) * a
+
+
+def layout(max_tokens: int, top_k: int, num_experts: int, hidden: int) -> dict[str, int]:
+    """Byte offsets of the buffer's fields (csrc/cpu_moe/handoff.h), and its size."""
+    off = dict(_HEADER)
+    o = off["job"] + 64
+    for name, nbytes in (("ids", max_tokens * top_k * 4), ("weights", max_tokens * top_k * 4),
+                         ("map", num_experts * 4), ("x", max_tokens * hidden * 4),
+                         ("out", max_tokens * hidden * 4)):
+        off[name] = o
+        o = _align(o + nbytes)
+    off["size"] = o
+    off.update(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts, hidden=hidden)
+    return off
+
+
+class Handoff:
+    """The buffer, the worker and the producer for every MoE layer of one model.
+
+    executor: a CpuMoeExecutor (the worker is its only user while it runs); banks: each MoE
+    layer's bank in the executor's layout; max_tokens: the most tokens of a call it takes.
+    """
+
+    def __init__(self, executor, banks: list[ExpertBank], top_k: int, device: torch.device,
+                 max_tokens: int):
+        b0 = banks[0]
+        self.device = torch.device(device)
+        self.off = layout(max_tokens, top_k, b0.num_experts, b0.hidden)
+        self.max_tokens = max_tokens
+        pin = self.device.type == "cuda"
+        self.buf = torch.zeros(self.off["size"], dtype=torch.uint8, pin_memory=pin)
+        i32 = self.buf.view(torch.int32)
+        self._word = {k: i32[self.off[k] // 4:self.off[k] // 4 + 1]
+                      for k in ("go", "done", "live", "error", "timeout")}
+        self._executor = executor
+        self._worker = _ext().HandoffWorker(executor._ex, self.buf.data_ptr(),
+                                            {k: v for k, v in self.off.items() if k != "size"},
+                                            SPIN_US.get(self.device.type, 200))
+        self._banks = banks  # the worker reads them: keep them alive
+        for i, b in enumerate(banks):
+            self._worker.set_layer(i, make_bank(b.w13, "w13"), make_bank(b.w2, "w2"),
+                                   b.scales.data_ptr())
+        # the job number: a device counter on a GPU (kernels advance it), else host-side
+        self.seq = torch.zeros(1, dtype=torch.int32, device=self.device) if pin else None
+        self._n = 0
+
+    def close(self) -> None:
+        """Stop the worker (before the buffer it polls is freed)."""
+        self._worker = None
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def jobs(self) -> int:
+        return self._worker.jobs if self._worker is not None else 0
+
+    def set_live(self, n: int) -> None:
+        """Real tokens of the coming step (a CUDA graph's padding rows are not computed)."""
+        self._word["live"][0] = n
+
+    def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+             emap: torch.Tensor, activation: str) -> None:
+        """Post layer `layer`'s job: its routes whose expert maps to -1 go to the CPU."""
+        T, H = x.shape
+        if T > self.max_tokens:
+            raise ValueError(f"hand-off: {T} tokens in one call, at most {self.max_tokens}")
+        act = ACTIVATIONS[activation]
+        xdt = _XDT[x.dtype]
+        if self.seq is not None:
+            from freetoken.kernels.triton.handoff import send
+
+            send(x, ids, w, emap, self.seq, self.buf, self.off, layer, act, xdt)
+            return
+        k = ids.shape[1]
+        o = self.off
+        self.buf[o["job"]:o["job"] + 16].view(torch.int32).copy_(
+            torch.tensor([layer, T, act, xdt], dtype=torch.int32))
+        self.buf[o["ids"]:o["ids"] + T * k * 4].view(torch.int32).copy_(ids.reshape(-1))
+        self.buf[o["weights"]:o["weights"] + T * k * 4].view(torch.float32).copy_(
+            w.reshape(-1))
+        self.buf[o["map"]:o["map"] + emap.numel() * 4].view(torch.int32).copy_(emap)
+        nx = T * H * x.element_size()
+        self.buf[o["x"]:o["x"] + nx].view(x.dtype).copy_(x.reshape(-1))
+        self._n = (self._n + 1) & 0xFFFFFFFF
+        self._worker.post(self._n)
+
+    def receive(self, y: torch.Tensor) -> torch.Tensor:
+        """y + the CPU's part of the last job (in y's dtype, summed in fp32)."""
+        if self.seq is not None:
+            from freetoken.kernels.triton.handoff import receive_add
+
+            return receive_add(y, self.seq, self.buf, self.off)
+        if not self._worker.wait(self._n):
+            self.check()
+        T, H = y.shape
+        o = self.off["out"]
+        out = self.buf[o:o + T * H * 4].view(torch.float32).view(T, H)
+        return (y.float() + out).to(y.dtype)
+
+    def check(self) -> None:
+        """Raise the worker's error, or a GPU wait that timed out, once (then clear it)."""
+        if int(self._word["error"][0]):
+            self._word["error"][0] = 0
+            raise RuntimeError(f"CPU MoE hand-off failed: {self._worker.last_error}")
+        if int(self._word["timeout"][0]):
+            self._word["timeout"][0] = 0
+            raise RuntimeError("CPU MoE hand-off: the GPU waited more than its timeout for the "
+                               "CPU worker's answer; that step's MoE outputs are wrong")

@@ -1,0 +1,156 @@
+"""The CPU hand-off (freetoken/moe/handoff.py, csrc/cpu_moe/handoff.cpp) and the device fill.
+
+Reference: `moe_reference` (float64 on the dequantized bank) of exactly the routes the CPU
+owns: live rows, experts the map gives no slot. The banks are fp32, where the executor's dots
+are fp32 too, so the results agree to float rounding (rtol 1e-4 of the output's largest
+magnitude: sums of H * I products of unit-scale values). A route given to the wrong side (a
+hit computed twice, a miss dropped, a padding row computed) moves a row by a whole route's
+contribution, O(1) of that scale.
+
+On the CPU the producer is Python (`post` / `wait`); on a GPU it is the Triton kernels, run
+here eagerly and replayed from a CUDA graph with new inputs each time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.formats.qweight import QuantWeight
+from freetoken.moe.banks import ExpertBank
+from freetoken.moe.reference import moe_reference
+
+pytest.importorskip("freetoken._cpu_moe")
+
+from freetoken.moe.cpu_executor import CpuMoeExecutor  # noqa: E402
+from freetoken.moe.handoff import Handoff  # noqa: E402
+
+L, E, H, INTER, K = 2, 8, 64, 32, 3
+MAX_T = 8
+
+
+def _bank(seed: int) -> ExpertBank:
+    g = torch.Generator().manual_seed(seed)
+    return ExpertBank(
+        QuantWeight(torch.randn(E, 2 * INTER, H, generator=g) / 8, "f32", (E, 2 * INTER, H)),
+        QuantWeight(torch.randn(E, H, INTER, generator=g) / 8, "f32", (E, H, INTER)),
+        torch.rand(E, 4, generator=g) + 0.5)
+
+
+@pytest.fixture(scope="module")
+def banks():
+    return [_bank(30 + i) for i in range(L)]
+
+
+def _inputs(seed: int, T: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    emap = torch.where(torch.rand(E, generator=g) < 0.5, torch.arange(E), -1).to(torch.int32)
+    return x.to(device), ids.to(device), w.to(device), emap.to(device)
+
+
+def _expected(bank, x, ids, w, emap, live):
+    """The CPU's share: routes of rows < live whose expert has no slot."""
+    x, ids, w, emap = x.cpu(), ids.cpu(), w.cpu(), emap.cpu()
+    mine = (emap[ids] < 0) & (torch.arange(ids.shape[0])[:, None] < live)
+    return moe_reference(x, ids, torch.where(mine, w, 0.0), bank.w13, bank.w2, bank.scales)
+
+
+def _close(got, want):
+    tol = 1e-4 * max(1.0, float(want.abs().max()))
+    assert (got.float() - want).abs().max() <= tol
+
+
+def test_cpu_share_matches_the_reference(banks):
+    ho = Handoff(CpuMoeExecutor(2), banks, K, torch.device("cpu"), MAX_T)
+    for step, (T, live, layer) in enumerate([(5, 5, 0), (8, 3, 1), (1, 1, 1), (6, 0, 0)]):
+        x, ids, w, emap = _inputs(step, T)
+        ho.set_live(live)
+        ho.send(layer, x, ids, w, emap, "silu")
+        y0 = torch.randn(T, H)
+        got = ho.receive(y0)
+        _close(got - y0, _expected(banks[layer], x, ids, w, emap, live))
+    assert ho.jobs == 4
+    ho.close()
+
+
+def test_bf16_input_and_gelu(banks):
+    ho = Handoff(CpuMoeExecutor(1), banks, K, torch.device("cpu"), MAX_T)
+    x, ids, w, emap = _inputs(7, 4)
+    xb = x.to(torch.bfloat16)
+    ho.set_live(4)
+    ho.send(1, xb, ids, w, emap, "gelu_tanh")
+    got = ho.receive(torch.zeros(4, H, dtype=torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    mine = emap[ids] < 0
+    want = moe_reference(xb.float(), ids, torch.where(mine, w, 0.0), banks[1].w13, banks[1].w2,
+                         banks[1].scales, "gelu_tanh")
+    assert (got.float() - want).abs().max() <= 2e-2 * float(want.abs().max())  # bf16 output
+
+
+def test_a_bad_job_is_an_error_and_the_next_one_works(banks):
+    ho = Handoff(CpuMoeExecutor(1), banks, K, torch.device("cpu"), MAX_T)
+    x, ids, w, emap = _inputs(3, 2)
+    ho.set_live(2)
+    bad = ids.clone()
+    bad[1, 2] = E + 5
+    ho.send(0, x, bad, w, emap, "silu")
+    with pytest.raises(RuntimeError, match=r"expert id 13 of row 1 is outside \[0, 8\)"):
+        ho.receive(torch.zeros(2, H))
+    ho.send(0, x, ids, w, emap, "silu")
+    _close(ho.receive(torch.zeros(2, H)), _expected(banks[0], x, ids, w, emap, 2))
+    with pytest.raises(ValueError, match="at most 8"):
+        ho.send(0, torch.zeros(9, H), torch.zeros(9, K, dtype=torch.long), torch.zeros(9, K),
+                emap, "silu")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_kernels_eager_and_in_a_graph(banks):
+    ho = Handoff(CpuMoeExecutor(2), banks, K, torch.device("cuda"), MAX_T)
+    T = 6
+    x, ids, w, emap = _inputs(0, T, "cuda")
+    y0 = torch.randn(T, H, device="cuda")
+    for step, live in enumerate([6, 2]):  # eager
+        x.copy_(_inputs(step, T)[0].cuda())
+        ho.set_live(live)
+        ho.send(1, x, ids, w, emap, "silu")
+        got = ho.receive(y0)
+        torch.cuda.synchronize()
+        ho.check()
+        _close((got - y0).cpu(), _expected(banks[1], x, ids, w, emap, live))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ho.send(0, x, ids, w, emap, "silu")
+        out = ho.receive(y0)
+    for step, live in enumerate([6, 4, 1, 6]):
+        xs, idss, ws, emaps = _inputs(100 + step, T, "cuda")
+        x.copy_(xs), ids.copy_(idss), w.copy_(ws), emap.copy_(emaps)
+        ho.set_live(live)
+        g.replay()
+        torch.cuda.synchronize()
+        ho.check()
+        _close((out - y0).cpu(), _expected(banks[0], x, ids, w, emap, live))
+    ho.close()
+
+
+@cuda
+def test_cuda_fill_kernel_matches_host_fill(banks):
+    from freetoken.moe.host_banks import host_bank
+    from freetoken.moe.slot_cache import SlotCache
+
+    hosts = [host_bank(b, True) for b in banks]
+    dev, ref = SlotCache(hosts, 5, "cuda"), SlotCache(hosts, 5, "cuda")
+    assert dev.device_fill
+    for layer, ids in ((0, [[1, 4, 6]]), (1, [[2, 3, 7]]), (0, [[0, 5, 6]])):
+        t = torch.tensor(ids, device="cuda")
+        a, b = dev.plan(layer, t, 99), ref.plan(layer, t, 99)
+        assert torch.equal(a, b)
+        dev.fill_on_device(layer, hosts[layer], a)
+        ref.fill(layer, hosts[layer], b)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.pool, ref.pool)
