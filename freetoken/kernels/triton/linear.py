@@ -126,7 +126,12 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
     s = qw.scale2
     if s is None:
         return 0, like
-    s = s.to(device=like.device, dtype=torch.float32).reshape(-1)
+    if s.device != like.device or s.dtype != torch.float32:
+        # once, kept on the weight: a copy per call would be a host transfer in every step
+        # (and is refused inside a CUDA graph capture)
+        s = s.to(device=like.device, dtype=torch.float32)
+        object.__setattr__(qw, "scale2", s)
+    s = s.reshape(-1)
     if s.numel() == 1:
         return 1, s
     if s.numel() == n:
