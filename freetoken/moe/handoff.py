@@ -19,6 +19,7 @@ its compaction are the same code as on a GPU.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from freetoken.moe.banks import ExpertBank
@@ -67,8 +68,13 @@ class Handoff:
         pin = self.device.type == "cuda"
         self.buf = torch.zeros(self.off["size"], dtype=torch.uint8, pin_memory=pin)
         i32 = self.buf.view(torch.int32)
+        # the plan kernel reads `live` (a tensor); the host reads and writes the words through
+        # numpy (the buffer may be made under inference mode, whose tensors refuse in-place
+        # writes outside it: the engine checks errors after the step, outside)
         self._word = {k: i32[self.off[k] // 4:self.off[k] // 4 + 1]
                       for k in ("go", "done", "live", "error", "timeout")}
+        words = self.buf.numpy().view(np.int32)
+        self._host = {k: words[self.off[k] // 4:self.off[k] // 4 + 1] for k in self._word}
         self._executor = executor
         self._worker = _ext().HandoffWorker(executor._ex, self.buf.data_ptr(),
                                             {k: v for k, v in self.off.items() if k != "size"},
@@ -94,7 +100,7 @@ class Handoff:
 
     def set_live(self, n: int) -> None:
         """Real tokens of the coming step (a CUDA graph's padding rows are not computed)."""
-        self._word["live"][0] = n
+        self._host["live"][0] = n
 
     def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
              emap: torch.Tensor, activation: str) -> None:
@@ -137,10 +143,10 @@ class Handoff:
 
     def check(self) -> None:
         """Raise the worker's error, or a GPU wait that timed out, once (then clear it)."""
-        if int(self._word["error"][0]):
-            self._word["error"][0] = 0
+        if int(self._host["error"][0]):
+            self._host["error"][0] = 0
             raise RuntimeError(f"CPU MoE hand-off failed: {self._worker.last_error}")
-        if int(self._word["timeout"][0]):
-            self._word["timeout"][0] = 0
+        if int(self._host["timeout"][0]):
+            self._host["timeout"][0] = 0
             raise RuntimeError("CPU MoE hand-off: the GPU waited more than its timeout for the "
                                "CPU worker's answer; that step's MoE outputs are wrong")
