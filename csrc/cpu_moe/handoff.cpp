@@ -36,7 +36,10 @@ float to_f32(const uint8_t* x, int dtype, int64_t i) {
 HandoffWorker::HandoffWorker(Executor* ex, uint8_t* buf, const HandoffLayout& lay,
                              int64_t spin_us)
     : ex_(ex), buf_(buf), lay_(lay), spin_us_(spin_us) {
-  thread_ = std::thread([this] { loop(); });
+  // The last job seen is read here, not in the thread: a job posted before the new thread
+  // first ran would otherwise count as seen and never be answered.
+  const uint32_t last = load_acquire(buf_ + lay_.go);
+  thread_ = std::thread([this, last] { loop(last); });
 }
 
 HandoffWorker::~HandoffWorker() {
@@ -57,12 +60,19 @@ void HandoffWorker::set_layer(int64_t layer, const Bank& w13, const Bank& w2,
 
 void HandoffWorker::post(uint32_t n) { store_release(buf_ + lay_.go, n); }
 
-bool HandoffWorker::wait(uint32_t n) const {
+bool HandoffWorker::wait(uint32_t n, double timeout_s) {
   // A short spin, then polls 20 us apart: the waiting thread must not take a core from the
   // worker's pool (on a small machine they share the cores).
   const int64_t t0 = now_us();
   while (load_acquire(buf_ + lay_.done) != n) {
-    if (now_us() - t0 < 20)
+    const int64_t dt = now_us() - t0;
+    if (dt > timeout_s * 1e6) {
+      std::lock_guard<std::mutex> g(err_mu_);
+      err_ = "no answer to job " + std::to_string(n) + " within " +
+             std::to_string(timeout_s) + " s";
+      return false;
+    }
+    if (dt < 20)
       _mm_pause();
     else
       std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -75,8 +85,7 @@ std::string HandoffWorker::last_error() const {
   return err_;
 }
 
-void HandoffWorker::loop() {
-  uint32_t last = load_acquire(buf_ + lay_.go);
+void HandoffWorker::loop(uint32_t last) {
   int64_t idle_since = now_us();
   while (!stop_.load(std::memory_order_relaxed)) {
     const uint32_t n = load_acquire(buf_ + lay_.go);

@@ -41,14 +41,15 @@ class HandoffWorker {
   // Layer `layer`'s host banks (the executor's layout) and its [E, 4] scales.
   void set_layer(int64_t layer, const Bank& w13, const Bank& w2, const float* scales);
   // Producer side from the host (the CPU standing in as the device, tests): post job n
-  // (the job already written), and wait for done == n (returns false on a worker error).
+  // (the job already written), and wait for done == n (returns false on a worker error or
+  // after timeout_s without an answer; last_error() says which).
   void post(uint32_t n);
-  bool wait(uint32_t n) const;
+  bool wait(uint32_t n, double timeout_s);
   std::string last_error() const;
   int64_t jobs() const { return jobs_.load(std::memory_order_relaxed); }
 
  private:
-  void loop();
+  void loop(uint32_t last);
   void run_job();
 
   Executor* ex_;

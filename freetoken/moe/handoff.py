@@ -32,6 +32,7 @@ _XDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # come tens of microseconds apart; with the CPU standing in as the device the producer
 # computes on the same cores, and a spinning worker would take one from it.
 SPIN_US = {"cuda": 50_000, "cpu": 200}
+WAIT_TIMEOUT_S = 60.0  # the host's wait for an answer (the GPU's: kernels/triton/handoff.py)
 
 
 def _align(n: int, a: int = 64) -> int:
@@ -134,7 +135,8 @@ class Handoff:
             from freetoken.kernels.triton.handoff import receive_add
 
             return receive_add(y, self.seq, self.buf, self.off)
-        if not self._worker.wait(self._n):
+        if not self._worker.wait(self._n, WAIT_TIMEOUT_S):
+            self._host["error"][0] = 1
             self.check()
         T, H = y.shape
         o = self.off["out"]

@@ -155,3 +155,17 @@ def test_cuda_fill_kernel_matches_host_fill(banks):
         ref.fill(layer, hosts[layer], b)
         torch.cuda.synchronize()
         assert torch.equal(dev.pool, ref.pool)
+
+
+def test_a_job_posted_as_the_worker_starts_is_answered(banks):
+    """The worker takes the last job number before its thread runs: a job posted at once
+    after construction (before the new thread was scheduled) was once never answered."""
+    ex = CpuMoeExecutor(1)
+    x, ids, w, emap = _inputs(5, 2)
+    want = _expected(banks[0], x, ids, w, emap, 2)
+    for _ in range(10):
+        ho = Handoff(ex, banks, K, torch.device("cpu"), MAX_T)
+        ho.set_live(2)
+        ho.send(0, x, ids, w, emap, "silu")
+        _close(ho.receive(torch.zeros(2, H)), want)
+        ho.close()
