@@ -353,8 +353,9 @@ def _print_prefill(rows: list[PrefillResult]) -> None:
 def _profile_step(runner: Runner, batch: int, prompt_len: int, path: str) -> None:
     """A torch.profiler trace of one decode step at `batch` (chrome trace in `path`), the
     busiest host ops, and where an expert-cache step's time goes: the host time of each
-    `moe.*` phase (expert_cache.py's ranges; `moe.to_host` includes waiting for the device to
-    reach the layer) against the step's wall time and the device's kernel and copy time."""
+    `moe.*` phase (expert_cache.py's ranges: kernel launches and host copies; a CUDA graph
+    replay runs none of them) against the step's wall time and the device's kernel and copy
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(batch):

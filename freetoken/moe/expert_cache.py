@@ -139,7 +139,7 @@ class ExpertCache:
         if ho is not None and not capturing:
             ho.set_live(T)  # an eager call's rows are all real
         with record_function("moe.plan"):
-            live = ho._word["live"] if ho is not None and self.device.type == "cuda" else None
+            live = ho.live if ho is not None and self.device.type == "cuda" else None
             fetched = c.plan(layer, ids, _ALL if self.fetch_all else self.fetch_limit,
                              live=live)
             E = c.num_experts

@@ -68,14 +68,14 @@ class Handoff:
         self.max_tokens = max_tokens
         pin = self.device.type == "cuda"
         self.buf = torch.zeros(self.off["size"], dtype=torch.uint8, pin_memory=pin)
-        i32 = self.buf.view(torch.int32)
-        # the plan kernel reads `live` (a tensor); the host reads and writes the words through
-        # numpy (the buffer may be made under inference mode, whose tensors refuse in-place
-        # writes outside it: the engine checks errors after the step, outside)
-        self._word = {k: i32[self.off[k] // 4:self.off[k] // 4 + 1]
-                      for k in ("go", "done", "live", "error", "timeout")}
+        # The host reads and writes the header words through numpy (the buffer may be made
+        # under inference mode, whose tensors refuse in-place writes outside it: the engine
+        # checks errors after the step, outside); the plan kernel reads `live` as a tensor.
         words = self.buf.numpy().view(np.int32)
-        self._host = {k: words[self.off[k] // 4:self.off[k] // 4 + 1] for k in self._word}
+        self._host = {k: words[self.off[k] // 4:self.off[k] // 4 + 1]
+                      for k in ("live", "error", "timeout")}
+        w = self.off["live"] // 4
+        self._live = self.buf.view(torch.int32)[w:w + 1]
         self._executor = executor
         self._worker = _ext().HandoffWorker(executor._ex, self.buf.data_ptr(),
                                             {k: v for k, v in self.off.items() if k != "size"},
@@ -98,6 +98,11 @@ class Handoff:
     @property
     def jobs(self) -> int:
         return self._worker.jobs if self._worker is not None else 0
+
+    @property
+    def live(self) -> torch.Tensor:
+        """The `live` word as an int32 [1] tensor (the plan kernel reads it on a GPU)."""
+        return self._live
 
     def set_live(self, n: int) -> None:
         """Real tokens of the coming step (a CUDA graph's padding rows are not computed)."""

@@ -120,6 +120,9 @@ class SlotCache:
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._q: dict[float, torch.Tensor] = {}  # the plan kernel's q values on the device
         self._fill_tables: dict = {}  # (layer, bank address) -> fill_on_device's part table
+        # whether fill_on_device can copy every layer's parts (whole 4-byte words)
+        self.device_fill = self.pool.is_cuda and all(
+            p.nbytes % 4 == 0 for lay in self.layouts for p in lay)
 
     @property
     def nbytes(self) -> int:
@@ -228,8 +231,7 @@ class SlotCache:
             mine = slots[slots % L == layer]
             self.fill(layer, hosts[layer], torch.stack([mine // L, mine]))
             if self.device_fill:  # its part table now: a CUDA graph capture cannot make it
-                self.fill_on_device(layer, hosts[layer], torch.full((2, 1), -1,
-                                                                   device=self.device))
+                self._fill_table(layer, hosts[layer])
 
     def expert_map(self, layer: int) -> torch.Tensor:
         """int32 [E]: the layer's expert -> slot, -1 where not cached (a copy)."""
@@ -269,21 +271,22 @@ class SlotCache:
         """`fill` by a GPU kernel that reads the pinned host bank directly (kernels/triton/
         handoff.py): no host sync, so it can be captured in a CUDA graph. Needs every part's
         bytes per expert to be a multiple of 4 (`device_fill`)."""
-        from freetoken.kernels.triton.handoff import fill, fill_table
+        from freetoken.kernels.triton.handoff import fill
+
+        fill(fetched, self.pool, *self._fill_table(layer, host))
+
+    def _fill_table(self, layer: int, host: ExpertBank) -> tuple[torch.Tensor, int]:
+        """(the layer's part table on the device, its largest part's words) for the fill
+        kernel; made once per bank (warm() makes them before any graph capture)."""
+        from freetoken.kernels.triton.handoff import fill_table
 
         key = (layer, host.w13.data.data_ptr())
-        if key not in self._fill_tables:  # made before any capture (warm() makes them all)
+        if key not in self._fill_tables:
             src = bank_tensors(host)
             parts = [(src[p.name], p.offset, p.nbytes) for p in self.layouts[layer]]
             self._fill_tables[key] = (fill_table(parts, self.device),
                                       max(p.nbytes for p in self.layouts[layer]) // 4)
-        table, words = self._fill_tables[key]
-        fill(fetched, self.pool, table, words)
-
-    @property
-    def device_fill(self) -> bool:
-        """Whether fill_on_device can copy every layer's parts (4-byte words)."""
-        return self.pool.is_cuda and all(p.nbytes % 4 == 0 for lay in self.layouts for p in lay)
+        return self._fill_tables[key]
 
     def read_counters(self) -> dict[str, int]:
         return dict(zip(COUNTERS, self.counters.tolist()))

@@ -130,7 +130,7 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
         # once, kept on the weight: a copy per call would be a host transfer in every step
         # (and is refused inside a CUDA graph capture)
         s = s.to(device=like.device, dtype=torch.float32)
-        object.__setattr__(qw, "scale2", s)
+        qw.scale2 = s
     s = s.reshape(-1)
     if s.numel() == 1:
         return 1, s
