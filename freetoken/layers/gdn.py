@@ -16,7 +16,8 @@ fp32. A sequence whose first new token is at position 0 starts from zeros, so a 
 clearing between requests, and recompute after preemption starts over by itself.
 Prefill runs the chunked form (UT transform per 64-token chunk); decode tokens (one new token
 per sequence) run one batched recurrent step. On CUDA the `flash-linear-attention` package's
-chunk kernel is used where it is installed (imported lazily, never required).
+chunk kernel is used where it is installed (imported lazily, never required); decode steps on
+CUDA run three Triton kernels (kernels/triton/gdn.py), in place on the state pools.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from freetoken.layers.moe import Vector
 from freetoken.layers.norm import RMSNorm
 
 CHUNK = 64
+# Decode steps of CPU tensors through the Triton kernels as well (Triton's interpreter,
+# TRITON_INTERPRET=1, runs them there): the tests check the kernels' wiring without a GPU.
+TRITON_ON_CPU = False
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,13 @@ def _chunk(q, k, v, g, beta, state) -> torch.Tensor:
     return o
 
 
+def _triton_ok(spec: GDNSpec) -> bool:
+    """The decode step's kernels (kernels/triton/gdn.py) take these head sizes."""
+    from freetoken.kernels.triton.gdn import supported
+
+    return supported(spec)
+
+
 def _fla_chunk():
     """flash-linear-attention's chunk kernel, or None (not installed / no CUDA)."""
     try:
@@ -180,10 +191,17 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] (all sequences flattened) -> [T, hidden]."""
         s = self.spec
-        mixed, z, b, a = self.in_proj(x).split(self.sizes, dim=-1)
+        proj = self.in_proj(x)
+        conv, ssm = ctx.recurrent_states[self.state_id]
+        if ctx.is_decode and (proj.is_cuda or TRITON_ON_CPU) and _triton_ok(self.spec):
+            from freetoken.kernels.triton.gdn import gdn_decode  # lazy: needs triton
+
+            return self.out_proj(gdn_decode(
+                proj, s, self.conv1d.weight.value, self.A_log.value, self.dt_bias.value,
+                self.norm.weight, conv, ssm, ctx.state_slots, ctx.positions))
+        mixed, z, b, a = proj.split(self.sizes, dim=-1)
         beta = torch.sigmoid(b.float())  # [T, nv]
         g = self.A_log.value * F.softplus(a.float() + self.dt_bias.value)  # [T, nv], <= 0
-        conv, ssm = ctx.recurrent_states[self.state_id]
         if ctx.is_decode:  # one token per sequence: batched, no host sync (CUDA-graph safe)
             o = self._decode(mixed, g, beta, conv, ssm, ctx.state_slots, ctx.positions)
         else:

@@ -29,6 +29,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x)  # [T, 2I]
         a = cpu_glu(gu, self.intermediate, self.act_name)  # fp32 on the CPU: the executor's
+        if a is None and gu.is_cuda and gu.stride(-1) == 1:
+            from freetoken.kernels.triton.glu import glu_triton  # lazy: needs triton
+
+            a = glu_triton(gu, self.intermediate, self.act_name)  # one launch
         if a is None:
             g, u = gu.split(self.intermediate, dim=-1)
             a = self.act(g) * u

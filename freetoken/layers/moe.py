@@ -160,6 +160,16 @@ class SparseMoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x).float()  # in the activation dtype, as HF computes it
 
+    def _gate_row(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert gate's weight row [H] where one kernel can apply it (CUDA, a
+        float weight without second-level scale or bias, rows of unit stride), else None."""
+        lin = self.shared_expert_gate
+        qw = lin.weights[0] if len(lin.weights) == 1 else None
+        if (not x.is_cuda or x.stride(-1) != 1 or qw is None or not qw.is_float
+                or qw.scale2 is not None or getattr(lin, "bias", None) is not None):
+            return None
+        return qw.data.reshape(-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.e_score_correction_bias.value if self.spec.scoring == "sigmoid" else None
         s = self.spec  # router GEMV and top-k: one launch at decode sizes on CUDA
@@ -167,6 +177,11 @@ class SparseMoE(nn.Module):
         y = self.experts(x, ids, w)
         if self.spec.shared_intermediate:
             sh = self.shared_expert(x)
+            w_gate = self._gate_row(x) if self.spec.shared_gate else None
+            if w_gate is not None:
+                from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton
+
+                return gated_add_triton(y, sh, x, w_gate)  # one launch for the gate and sum
             if self.spec.shared_gate:
                 sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
             y = y + sh

@@ -86,11 +86,13 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=True)
 
     def forward(self, x, residual, ctx: ForwardContext, rope):
-        residual = x if residual is None else x + residual
-        h = self.input_layernorm(residual)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:  # the residual sum and the norm in one launch on the GPU
+            h, residual = self.input_layernorm.forward_add(x, residual)
         x = self.linear_attn(h, ctx) if self.linear else self.self_attn(h, ctx, rope)
-        residual = x + residual
-        return self.mlp(self.post_attention_layernorm(residual)), residual
+        h, residual = self.post_attention_layernorm.forward_add(x, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3_5ForCausalLM(CausalLM):

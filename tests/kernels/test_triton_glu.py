@@ -1,0 +1,58 @@
+"""The MLP-tail kernels (kernels/triton/glu.py) against float64 math: the GLU act(g) * u and
+the shared expert's gate-and-sum y + sigmoid(x . w) * sh.
+
+Without CUDA they run under Triton's interpreter (TRITON_INTERPRET=1). Both compute in fp32
+and round once: fp32 outputs within 1e-5 |ref| + 1e-6 (a few fp32 ops; the gate's dot of H
+terms ~H 2^-24 relative, inside the bound for H <= 160), bf16 within one rounding, 2^-8 |ref|
+(2^-7 under the interpreter, which truncates) + 1e-6 absolute (the fp32 error before it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (first import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from freetoken.kernels.triton.glu import gated_add_triton, glu_triton  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    rel = 1e-5 if dtype == torch.float32 else (2.0 ** -8 if CUDA else 2.0 ** -7)
+    err = (got.cpu().double() - ref).abs()
+    bound = rel * ref.abs() + 1e-6
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_glu(act: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    inter = 96
+    gu = (torch.randn(3, 2 * inter + 5, generator=gen) * 3)[:, :2 * inter].to(dtype)  # strided
+    g, u = gu.double().split(inter, dim=-1)
+    ref = (F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")) * u
+    a = glu_triton(gu.to(DEV), inter, act)
+    assert a.dtype == dtype and a.shape == (3, inter)
+    _close(a, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 160])
+def test_gated_add(dtype: torch.dtype, hidden: int) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    y, sh, x = (torch.randn(4, hidden, generator=gen).to(dtype) for _ in range(3))
+    w = (torch.randn(hidden, generator=gen) * 0.1).to(dtype)
+    ref = y.double() + torch.sigmoid(x.double() @ w.double())[:, None] * sh.double()
+    out = gated_add_triton(y.to(DEV), sh.to(DEV), x.to(DEV), w.to(DEV))
+    assert out.dtype == dtype and out.shape == y.shape
+    _close(out, ref, dtype)
