@@ -94,9 +94,11 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
     """Profile `args.steps` decode steps at `batch`; the printed table as a string."""
     dev = runner.engine.device
     on_cuda = dev.type == "cuda"
-    rids = _start(runner, batch, args.prompt_len, args.steps + args.warmup)
+    # warm-up, the hand-off record's steps and the profiled steps
+    rids = _start(runner, batch, args.prompt_len, 2 * args.steps + args.warmup)
     for _ in range(args.warmup):
         runner._step()
+    handoff_table = _handoff_steps(runner, args.steps, on_cuda)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=acts) as prof:
         if on_cuda:
@@ -113,7 +115,60 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}.b{batch}.json")
     return _table(_kernel_rows(prof, on_cuda), _host_calls(prof), batch, args.steps, wall,
-                  on_cuda, args.rows)
+                  on_cuda, args.rows) + handoff_table
+
+
+def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
+    """With an expert-cache backend (cpu, hybrid, offload's leftovers): `steps` decode steps
+    without the profiler, the hand-off worker's job record on, summed per step: where the
+    CPU's side of a step goes (executor, compaction before it, the answer after it) and how
+    long it waits between jobs for the device (the layers' GPU work before each hand-off),
+    beside the expert-cache counters. '' for other backends."""
+    moe = runner.engine.moe
+    ho = getattr(getattr(moe, "cache", None), "_handoff", None)
+    if ho is None:
+        return ""
+    c0 = moe.counters()
+    ho.set_trace(True)
+    if on_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        runner._step()
+    if on_cuda:
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / steps * 1e6
+    tr = ho.trace()
+    ho.set_trace(False)
+    c1 = moe.counters()
+    if len(tr) == 0:
+        return "\nhand-off: no jobs in these steps"
+    seen, f0, f1, done, rows, routes = tr.T
+    gaps = seen[1:] - done[:-1]
+    # a gap longer than a step's wall time is the host between steps, not a layer's GPU work
+    gaps = gaps[gaps < wall]
+    per = {k: (c1[k] - c0[k]) / steps for k in c1}
+    n = len(tr) / steps
+    lines = [f"\n== hand-off worker, {steps} steps without the profiler: {wall:.1f} us per step, "
+             f"{n:.1f} jobs per step",
+             "counters per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()),
+             f"{'per step':<44} {'us':>9} {'per job':>9} {'of wall':>8}"]
+    for label, us in (("executor (CPU experts' compute)", (f1 - f0).sum()),
+                      ("compaction before it (go seen -> start)", (f0 - seen).sum()),
+                      ("answer after it (end -> done)", (done - f1).sum()),
+                      ("waiting for the device between jobs", gaps.sum())):
+        lines.append(f"{label:<44} {us / steps:>9.1f} {us / len(tr):>9.1f} "
+                     f"{100 * us / steps / wall:>7.1f}%")
+    busy = f1 > f0
+    if busy.any():
+        b0 = ho._banks[0]
+        per_expert = (b0.w13.nbytes() + b0.w2.nbytes()) / b0.num_experts
+        us = (f1 - f0)[busy]
+        lines.append(f"per job with CPU routes: {rows[busy].mean():.2f} rows, "
+                     f"{routes[busy].mean():.2f} routes, executor {us.mean():.1f} us; "
+                     f"at one row, {(routes[busy] * per_expert).sum() / us.sum() / 1e3:.1f} "
+                     "GB/s of expert weights")
+    return "\n".join(lines)
 
 
 def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], batch: int, steps: int,

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu_features.h"
 #include "executor.h"
@@ -171,7 +172,9 @@ NB_MODULE(_cpu_moe, m) {
       .def("post", &ft::HandoffWorker::post)
       .def("wait", &ft::HandoffWorker::wait, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("last_error", &ft::HandoffWorker::last_error)
-      .def_prop_ro("jobs", &ft::HandoffWorker::jobs);
+      .def_prop_ro("jobs", &ft::HandoffWorker::jobs)
+      .def("set_trace", &ft::HandoffWorker::set_trace)
+      .def("trace", &ft::HandoffWorker::trace);
 
   m.def("supported_tiers", &ft::supported_tiers);
   m.def("core_clock_ghz", &ft::core_clock_ghz, nb::arg("seconds") = 0.05,

@@ -85,11 +85,24 @@ std::string HandoffWorker::last_error() const {
   return err_;
 }
 
+void HandoffWorker::set_trace(bool on) {
+  tracing_.store(false);
+  trace_.clear();
+  if (on) {
+    trace_.reserve(6 * kTraceCap);
+    tracing_.store(true);
+  }
+}
+
+std::vector<int64_t> HandoffWorker::trace() const { return trace_; }
+
 void HandoffWorker::loop(uint32_t last) {
   int64_t idle_since = now_us();
   while (!stop_.load(std::memory_order_relaxed)) {
     const uint32_t n = load_acquire(buf_ + lay_.go);
     if (n != last) {
+      const int64_t seen = now_us();
+      t_fwd0_ = t_fwd1_ = seen, routes_ = 0;
       try {
         run_job();
       } catch (const std::exception& e) {
@@ -104,6 +117,9 @@ void HandoffWorker::loop(uint32_t last) {
       jobs_.fetch_add(1, std::memory_order_relaxed);
       store_release(buf_ + lay_.done, n);
       idle_since = now_us();
+      if (tracing_.load(std::memory_order_relaxed) && trace_.size() < 6 * kTraceCap)
+        trace_.insert(trace_.end(), {seen, t_fwd0_, t_fwd1_, idle_since,
+                                     static_cast<int64_t>(rows_.size()), routes_});
       continue;
     }
     // Spin while jobs come (a decode step's layers are microseconds apart), then poll
@@ -151,7 +167,7 @@ void HandoffWorker::run_job() {
                                     std::to_string(E) + ")");
       c += map[id] < 0;
     }
-    if (c) rows_.push_back(t), kk = std::max(kk, c);
+    if (c) rows_.push_back(t), kk = std::max(kk, c), routes_ += c;
   }
   const int64_t R = static_cast<int64_t>(rows_.size());
   if (R == 0) return;
@@ -169,7 +185,9 @@ void HandoffWorker::run_job() {
   const LayerBanks& b = layers_[layer];
   LayerArgs a{xc_.data(), R, kk, idc_.data(), wc_.data(), b.w13, b.w2, b.scales,
               static_cast<Act>(act), yc_.data(), false};
+  t_fwd0_ = now_us();
   ex_->forward(a);
+  t_fwd1_ = now_us();
   for (int64_t r = 0; r < R; ++r)
     std::memcpy(out + rows_[r] * H, yc_.data() + r * H, H * sizeof(float));
 }

@@ -47,6 +47,12 @@ class HandoffWorker {
   bool wait(uint32_t n, double timeout_s);
   std::string last_error() const;
   int64_t jobs() const { return jobs_.load(std::memory_order_relaxed); }
+  // Job timing for profiles: while on, each job appends {go seen, forward start, forward
+  // end, done set (steady-clock us), rows computed, routes computed} (up to kTraceCap jobs).
+  // Turning it on clears the record; read it only while no job runs (after a step's sync).
+  static constexpr size_t kTraceCap = 1 << 16;
+  void set_trace(bool on);
+  std::vector<int64_t> trace() const;
 
  private:
   void loop(uint32_t last);
@@ -70,6 +76,9 @@ class HandoffWorker {
   std::string err_;
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> jobs_{0};
+  std::atomic<bool> tracing_{false};
+  std::vector<int64_t> trace_;  // 6 per job, reserved when tracing starts
+  int64_t t_fwd0_ = 0, t_fwd1_ = 0, routes_ = 0;  // the current job's, for the trace
   std::thread thread_;
 };
 

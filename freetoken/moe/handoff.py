@@ -99,6 +99,16 @@ class Handoff:
     def jobs(self) -> int:
         return self._worker.jobs if self._worker is not None else 0
 
+    def set_trace(self, on: bool) -> None:
+        """Start (clearing it) or stop the worker's per-job timing record."""
+        self._worker.set_trace(on)
+
+    def trace(self) -> np.ndarray:
+        """The record since set_trace(True), int64 [jobs, 6]: go seen, executor start,
+        executor end, done set (steady-clock microseconds), rows and routes computed. Read it
+        between steps (no job running)."""
+        return np.asarray(self._worker.trace(), dtype=np.int64).reshape(-1, 6)
+
     @property
     def live(self) -> torch.Tensor:
         """The `live` word as an int32 [1] tensor (the plan kernel reads it on a GPU)."""
