@@ -64,7 +64,11 @@ def _close(got, want):
 
 
 def test_cpu_share_matches_the_reference(banks):
+    """Also the worker's job record: one row per job, its rows and routes the CPU's share,
+    the times in order (go seen <= executor start <= end <= done)."""
     ho = Handoff(CpuMoeExecutor(2), banks, K, torch.device("cpu"), MAX_T)
+    ho.set_trace(True)
+    want_rows, want_routes = [], []
     for step, (T, live, layer) in enumerate([(5, 5, 0), (8, 3, 1), (1, 1, 1), (6, 0, 0)]):
         x, ids, w, emap = _inputs(step, T)
         ho.set_live(live)
@@ -72,7 +76,17 @@ def test_cpu_share_matches_the_reference(banks):
         y0 = torch.randn(T, H)
         got = ho.receive(y0)
         _close(got - y0, _expected(banks[layer], x, ids, w, emap, live))
+        mine = (emap[ids] < 0)[:live]
+        want_rows.append(int(mine.any(1).sum()))
+        want_routes.append(int(mine.sum()))
     assert ho.jobs == 4
+    tr = ho.trace()
+    assert tr.shape == (4, 6)
+    assert tr[:, 4].tolist() == want_rows and tr[:, 5].tolist() == want_routes
+    assert (tr[:, 0] <= tr[:, 1]).all() and (tr[:, 1] <= tr[:, 2]).all()
+    assert (tr[:, 2] <= tr[:, 3]).all() and (tr[1:, 0] >= tr[:-1, 3]).all()
+    ho.set_trace(False)
+    assert ho.trace().shape == (0, 6)
     ho.close()
 
 
