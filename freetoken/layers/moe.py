@@ -99,8 +99,15 @@ class FusedExperts(nn.Module):
     def finalize(self, dtype: torch.dtype, device) -> None:
         self.bank = self.bank.to(dtype, "cpu" if _HOST_BANKS else device)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return self.backend(x, self.bank, ids, w, self.spec.activation)
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, side=None):
+        """y; with `side` (other work of the layer, the shared expert), (y, side()): an
+        expert-cache backend runs it on the device while the CPU computes its misses."""
+        if side is None:
+            return self.backend(x, self.bank, ids, w, self.spec.activation)
+        with_side = getattr(self.backend, "with_side", None)
+        if with_side is not None:
+            return with_side(x, ids, w, self.spec.activation, side)
+        return self.backend(x, self.bank, ids, w, self.spec.activation), side()
 
 
 class Vector(nn.Module):
@@ -174,16 +181,16 @@ class SparseMoE(nn.Module):
         bias = self.e_score_correction_bias.value if self.spec.scoring == "sigmoid" else None
         s = self.spec  # router GEMV and top-k: one launch at decode sizes on CUDA
         ids, w = gate_topk(x, self.gate.weights[0], s.top_k, s.scoring, s.renormalize, bias)
-        y = self.experts(x, ids, w)
-        if self.spec.shared_intermediate:
-            sh = self.shared_expert(x)
-            w_gate = self._gate_row(x) if self.spec.shared_gate else None
-            if w_gate is not None:
-                from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton
+        if not self.spec.shared_intermediate:
+            return self.experts(x, ids, w)
+        # the shared expert as side work: an expert-cache backend overlaps it with the CPU
+        y, sh = self.experts(x, ids, w, side=lambda: self.shared_expert(x))
+        w_gate = self._gate_row(x) if self.spec.shared_gate else None
+        if w_gate is not None:
+            from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton
 
-                return gated_add_triton(y, sh, x, w_gate)  # one launch for the gate and sum
-            if self.spec.shared_gate:
-                sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
-            y = y + sh
-        return y
+            return gated_add_triton(y, sh, x, w_gate)  # one launch for the gate and sum
+        if self.spec.shared_gate:
+            sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
+        return y + sh
 

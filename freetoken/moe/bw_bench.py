@@ -5,11 +5,14 @@ Per expert format, in one run (a layer shape of the seed's headline model, 2048x
   from a host pool larger than the last-level cache; bytes of the experts touched / time);
 - pcie: the GB/s of expert-sized host-to-device copies (each expert's w13, w2 and block
   scales, from pinned host banks into random slots of a device pool) on a copy stream;
-- both: the two at once (the executor in a thread, it releases the GIL; copies on the main
-  thread), since DMA and the executor share the host's memory bandwidth.
-q* = B_pcie / (B_pcie + B_cpu) from the "both" figures is what the hybrid backend fetches of
-its misses. The figures go to a profile (policy.profile_path(), keyed by expert format, GPU
-and CPU model) that `--moe-backend auto` and hybrid read. Without a GPU only the CPU side is
+- fill: the same experts fetched by the slot-fill kernel, as decode steps fetch them inside a
+  CUDA graph (the GPU's threads read the pinned banks; no copy engine);
+- both: each of the two fetch paths and the executor at once (the executor in a thread, it
+  releases the GIL; copies on the main thread), since they share the host's memory bandwidth.
+q* = B_fetch / (B_fetch + B_cpu) from the fill kernel's "both" figures (the copy engine's
+where no fill was measured) is what the hybrid backend fetches of its misses. The figures go
+to a profile (policy.profile_path(), keyed by expert format, GPU and CPU model) that
+`--moe-backend auto` and hybrid read. Without a GPU only the CPU side is
 measured, and the output says so.
 """
 
@@ -99,6 +102,43 @@ class PcieSide:
             cudart.cudaHostUnregister(t.data_ptr())
 
 
+class FillSide(PcieSide):
+    """The same experts fetched the way a decode step fetches them inside a CUDA graph: the
+    slot fill kernel (kernels/triton/handoff.py), the GPU's own threads reading the pinned
+    banks, 32 experts per launch into a pool of whole slots."""
+
+    def __init__(self, lb: LayerBench, slots: int = 64):
+        from freetoken.kernels.triton.handoff import fill_table
+
+        super().__init__(lb, slots)
+        del self.pool
+        offs, o = [], 0
+        for t in self.parts:
+            offs.append(o)
+            o += -(-t[0].numel() * t.element_size() // 256) * 256
+        self.pool = torch.empty(slots, o, dtype=torch.uint8, device="cuda")
+        self.table, self.vec = fill_table(
+            [(t, off, t[0].numel() * t.element_size()) for t, off in zip(self.parts, offs)],
+            "cuda")
+        self.max_words = max(t[0].numel() * t.element_size() for t in self.parts) // 4
+        self.slots = torch.arange(32, device="cuda") % slots
+
+    def run(self, seconds: float, stop: threading.Event | None = None) -> float:
+        from freetoken.kernels.triton.handoff import fill
+
+        copies, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            experts = torch.randint(0, self.n, (32,), generator=self.gen).cuda()
+            fill(torch.stack([experts, self.slots]), self.pool, self.table, self.max_words,
+                 self.vec)
+            torch.cuda.synchronize()
+            copies += 32
+        t = time.perf_counter() - t0
+        if stop is not None:
+            stop.set()
+        return copies * self.expert_bytes / t / 1e9
+
+
 def both(cpu: CpuSide, pcie: PcieSide, seconds: float) -> tuple[float, float]:
     """(cpu GB/s, pcie GB/s) while both run for `seconds`."""
     res: dict[str, float] = {}
@@ -140,8 +180,17 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
             res["cpu_both_gbps"], res["pcie_both_gbps"] = both(cpu, pcie, seconds)
         finally:
             pcie.close()
-    b_cpu = res["cpu_both_gbps"] or res["cpu_gbps"]
-    b_pcie = res["pcie_both_gbps"]
+        fill = FillSide(lb)
+        try:
+            fill.run(min(0.1, seconds))
+            res["fill_gbps"] = fill.run(seconds)
+            res["cpu_fill_both_gbps"], res["fill_both_gbps"] = both(cpu, fill, seconds)
+        finally:
+            fill.close()
+    # q*: decode steps fetch with the fill kernel (inside CUDA graphs), so its figure with
+    # the executor running decides the split where it was measured
+    b_cpu = res.get("cpu_fill_both_gbps") or res["cpu_both_gbps"] or res["cpu_gbps"]
+    b_pcie = res.get("fill_both_gbps") or res["pcie_both_gbps"]
     res["q_star"] = 0.0 if b_pcie is None else b_pcie / (b_pcie + b_cpu)
     res["recommended"], res["why"] = recommend(b_cpu, b_pcie)
     log(f"  {fmt}: done")
@@ -153,12 +202,18 @@ def format_table(rows: list[dict]) -> str:
         return f"{v:>9.1f}" if v is not None else f"{'-':>9}"
 
     head = (f"{'format':<8}{'expert MB':>10}{'cpu GB/s':>9}{'pcie':>9}{'cpu|both':>9}"
-            f"{'pcie|both':>10}{'q*':>6}  recommended")
+            f"{'pcie|both':>10}{'fill':>9}{'cpu|both':>9}{'fill|both':>10}{'q*':>6}"
+            "  recommended")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['format']:<8}{r['expert_bytes'] / 1e6:>10.2f}{g(r['cpu_gbps'])}"
                      f"{g(r['pcie_gbps'])}{g(r['cpu_both_gbps'])} {g(r['pcie_both_gbps'])}"
+                     f"{g(r.get('fill_gbps'))}{g(r.get('cpu_fill_both_gbps'))} "
+                     f"{g(r.get('fill_both_gbps'))}"
                      f"{r['q_star']:>6.2f}  {r['recommended']}: {r['why']}")
+    lines.append("pcie: copy-engine copies (prefill streaming); fill: the slot-fill kernel "
+                 "(decode steps, inside CUDA graphs); cpu|both: the executor while the one "
+                 "before it runs; q* from the fill figures where measured")
     return "\n".join(lines)
 
 

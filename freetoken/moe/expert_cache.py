@@ -59,6 +59,7 @@ class ExpertCache:
         self.device = torch.device(device)
         self.top_k = top_k
         self.fetch_all = getattr(fetch_limit, "q", 0.0) is None  # offload: nothing to the CPU
+        self.never_fetches = getattr(fetch_limit, "cap", None) == 0  # cpu, or a hybrid cap of 0
         self._exec_banks: list[ExpertBank | None] = [executor_bank(h) for h in hosts]
         self._cpu_threads = cpu_threads
         self._executor = None
@@ -114,19 +115,24 @@ class ExpertCache:
             self._handoff.check()
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                activation: str) -> torch.Tensor:
+                activation: str, side: Callable | None = None):
         """One layer call. Prefill-sized calls: the streamer, or every miss fetched. Eager
         offload: every miss fetched, in rounds when they outnumber the free slots. Otherwise
         (cpu, hybrid, and offload inside a CUDA graph) the hand-off path, which has no host
-        sync. The phases are profiler ranges (moe.*: `ft bench decode --profile` sums them)."""
+        sync. The phases are profiler ranges (moe.*: `ft bench decode --profile` sums them).
+
+        side: other device work of the layer that does not depend on these experts (the
+        shared expert); it runs while the CPU computes its share, and (y, side()) is returned."""
         T = ids.shape[0]
         if self.prefill is not None and T >= PREFILL_TOKENS:
-            return self.prefill.forward(layer, x, ids, w, activation)
-        if T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()):
-            return self._fetch_all(layer, x, ids, w, activation)
-        return self._split(layer, x, ids, w, activation)
+            y = self.prefill.forward(layer, x, ids, w, activation)
+        elif T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()):
+            y = self._fetch_all(layer, x, ids, w, activation)
+        else:
+            return self._split(layer, x, ids, w, activation, side)
+        return y if side is None else (y, side())
 
-    def _split(self, layer: int, x, ids, w, activation: str) -> torch.Tensor:
+    def _split(self, layer: int, x, ids, w, activation: str, side: Callable | None = None):
         """Plan (hits, fetches, the CPU's misses) on the device; the CPU's job posted; the
         fetches copied into their slots; the device kernel over hits and fetched experts;
         the CPU's answer added. Offload (graphs only) posts a job only when a call's misses
@@ -148,7 +154,9 @@ class ExpertCache:
             with record_function("moe.to_host"):
                 ho.send(layer, x, ids, w, emap, activation)
         with record_function("moe.fill"):
-            if c.device_fill:
+            if self.never_fetches:
+                pass  # the cpu backend: nothing to fill (no empty launch per layer)
+            elif c.device_fill:
                 c.fill_on_device(layer, self.hosts[layer], fetched)
             elif capturing:
                 raise RuntimeError("the slot cache cannot be filled inside a CUDA graph "
@@ -157,10 +165,11 @@ class ExpertCache:
                 self._fill(layer, fetched)
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
-        if ho is None:
-            return y
-        with record_function("moe.cpu"):
-            return ho.receive(y)
+        extra = side() if side is not None else None
+        if ho is not None:
+            with record_function("moe.cpu"):
+                y = ho.receive(y)
+        return y if side is None else (y, extra)
 
     def _fetch_all(self, layer: int, x, ids, w, activation: str) -> torch.Tensor:
         """Every miss fetched and computed on the device, in rounds when the misses outnumber
@@ -218,3 +227,8 @@ class LayerBackend:
 
     def __call__(self, x, bank, topk_ids, topk_weights, activation):
         return self.cache.forward(self.layer, x, topk_ids, topk_weights, activation)
+
+    def with_side(self, x, topk_ids, topk_weights, activation, side: Callable):
+        """(y, side()): `side` (the shared expert) runs on the device while the CPU computes
+        its share of the routed experts."""
+        return self.cache.forward(self.layer, x, topk_ids, topk_weights, activation, side)

@@ -273,19 +273,22 @@ class SlotCache:
         bytes per expert to be a multiple of 4 (`device_fill`)."""
         from freetoken.kernels.triton.handoff import fill
 
-        fill(fetched, self.pool, *self._fill_table(layer, host))
+        table, max_words, vec = self._fill_table(layer, host)
+        fill(fetched, self.pool, table, max_words, vec)
 
-    def _fill_table(self, layer: int, host: ExpertBank) -> tuple[torch.Tensor, int]:
-        """(the layer's part table on the device, its largest part's words) for the fill
-        kernel; made once per bank (warm() makes them before any graph capture)."""
+    def _fill_table(self, layer: int, host: ExpertBank) -> tuple[torch.Tensor, int, bool]:
+        """(the layer's part table on the device, its largest part's words, whether all are
+        whole 16-byte units) for the fill kernel; made once per bank (warm() makes them before
+        any graph capture)."""
         from freetoken.kernels.triton.handoff import fill_table
 
         key = (layer, host.w13.data.data_ptr())
         if key not in self._fill_tables:
             src = bank_tensors(host)
             parts = [(src[p.name], p.offset, p.nbytes) for p in self.layouts[layer]]
-            self._fill_tables[key] = (fill_table(parts, self.device),
-                                      max(p.nbytes for p in self.layouts[layer]) // 4)
+            table, vec = fill_table(parts, self.device)
+            self._fill_tables[key] = (table, max(p.nbytes for p in self.layouts[layer]) // 4,
+                                      vec)
         return self._fill_tables[key]
 
     def read_counters(self) -> dict[str, int]:

@@ -107,12 +107,15 @@ def test_decode_step_matches_float64(tiled: bool, dtype: torch.dtype,
 
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="Triton's interpreter (CPU tensors) is on only on CPU-only hosts")
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_engine_greedy_same_through_the_kernels(arch: str, monkeypatch) -> None:
     """The tiny qwen3.5 models (heads of 32) through the engine: 32 greedy tokens for three
     batched prompts are the same whether the decode steps' GDN layers run the torch path or
-    these kernels (on the CPU under the interpreter, on CUDA compiled), float32 on the CPU:
-    the kernels' wiring into the layer (projection columns, states, slots, restarts)."""
+    these kernels (under Triton's interpreter), float32 on the CPU: the kernels' wiring into
+    the layer (projection columns, states, slots, restarts). On a GPU host the kernels run
+    compiled in every qwen3.5 decode step; the tests above check their numbers there."""
     import sys
     from pathlib import Path
 

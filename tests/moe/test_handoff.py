@@ -155,20 +155,24 @@ def test_cuda_kernels_eager_and_in_a_graph(banks):
 
 @cuda
 def test_cuda_fill_kernel_matches_host_fill(banks):
+    from freetoken.kernels.triton.handoff import fill
     from freetoken.moe.host_banks import host_bank
     from freetoken.moe.slot_cache import SlotCache
 
     hosts = [host_bank(b, True) for b in banks]
-    dev, ref = SlotCache(hosts, 5, "cuda"), SlotCache(hosts, 5, "cuda")
+    dev, ref, words = (SlotCache(hosts, 5, "cuda") for _ in range(3))
     assert dev.device_fill
     for layer, ids in ((0, [[1, 4, 6]]), (1, [[2, 3, 7]]), (0, [[0, 5, 6]])):
         t = torch.tensor(ids, device="cuda")
-        a, b = dev.plan(layer, t, 99), ref.plan(layer, t, 99)
-        assert torch.equal(a, b)
-        dev.fill_on_device(layer, hosts[layer], a)
+        a, b, c = dev.plan(layer, t, 99), ref.plan(layer, t, 99), words.plan(layer, t, 99)
+        assert torch.equal(a, b) and torch.equal(a, c)
+        dev.fill_on_device(layer, hosts[layer], a)  # 16-byte units (every size here allows)
+        assert dev._fill_table(layer, hosts[layer])[2]
+        table, max_words, _ = words._fill_table(layer, hosts[layer])
+        fill(c, words.pool, table, max_words, vec=False)  # 4-byte words
         ref.fill(layer, hosts[layer], b)
         torch.cuda.synchronize()
-        assert torch.equal(dev.pool, ref.pool)
+        assert torch.equal(dev.pool, ref.pool) and torch.equal(words.pool, ref.pool)
 
 
 def test_a_job_posted_as_the_worker_starts_is_answered(banks):

@@ -20,12 +20,13 @@ _ACT = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
-def _glu_kernel(gu_ptr, a_ptr, I, stride_gu, stride_a, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _glu_kernel(gu_ptr, a_ptr, inter, stride_gu, stride_a, ACT: tl.constexpr,
+                BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < I
+    ok = n < inter
     g = tl.load(gu_ptr + t * stride_gu + n, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptr + t * stride_gu + I + n, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + inter + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(a_ptr + t * stride_a + n, glu(g, u, ACT).to(a_ptr.dtype.element_ty), mask=ok)
 
 

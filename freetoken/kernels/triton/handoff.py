@@ -90,24 +90,34 @@ def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_ou
 
 
 @triton.jit
-def _fill_kernel(fetched_ptr, n, pool_ptr, slot_words, table_ptr, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Program (i, part, chunk): CHUNK words of fetch i's part from its host bank into its
+    slot. VEC: every address and size is a multiple of 16 bytes, told to the compiler by
+    reading the host through `pool_ptr` plus a word offset known to be a multiple of 4 (a
+    pointer loaded from the table carries no alignment): 16-byte loads and stores, so each
+    PCIe read request carries 4x the bytes, and the whole chunk's loads go out at once."""
     i = tl.program_id(0)
     part = tl.program_id(1)
     c0 = tl.program_id(2) * CHUNK
     e = tl.load(fetched_ptr + i)
     s = tl.load(fetched_ptr + n + i)
-    src = tl.load(table_ptr + part * 3).to(tl.pointer_type(tl.int32))
+    src_addr = tl.load(table_ptr + part * 3)
     off = tl.load(table_ptr + part * 3 + 1)
     nw = tl.load(table_ptr + part * 3 + 2)
     if (e >= 0) & (c0 < nw):
-        src_e = src + e * nw
-        dst = pool_ptr + s * slot_words + off
+        dst0 = s * slot_words + off + c0
+        if VEC:
+            src0 = tl.multiple_of((src_addr - pool_addr) // 4 + e * nw + c0, 4)
+            dst0 = tl.multiple_of(dst0, 4)
+            src = pool_ptr + src0
+        else:
+            src = src_addr.to(tl.pointer_type(tl.int32)) + e * nw + c0
+        dst = pool_ptr + dst0
         offs = tl.arange(0, BLOCK)
-        for b in range(0, CHUNK, BLOCK):
-            j = c0 + b + offs
-            m = j < nw
-            tl.store(dst + j, tl.load(src_e + j, mask=m), mask=m)
+        for b in tl.static_range(0, CHUNK, BLOCK):
+            m = c0 + b + offs < nw
+            tl.store(dst + b + offs, tl.load(src + b + offs, mask=m), mask=m)
 
 
 def send(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, emap: torch.Tensor,
@@ -138,26 +148,29 @@ def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
     return out
 
 
-def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> torch.Tensor:
-    """int64 [P, 3] on the device: (address of the pinned host part, its word offset in a slot,
-    words per expert) for `fill`. With unified addressing a registered host buffer has the same
-    address on the device."""
+def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> tuple[torch.Tensor, bool]:
+    """(int64 [P, 3] on the device: address of the pinned host part, its word offset in a
+    slot, words per expert; whether all of them are whole 16-byte units) for `fill`. With
+    unified addressing a registered host buffer has the same address on the device."""
     for t, _, nbytes in parts:
         if nbytes % 4 or not t.is_contiguous() or t.data_ptr() % 4:
             raise ValueError(f"fill: a host part of {nbytes} B per expert is not whole 4-byte "
                              "words")
+    vec = all(t.data_ptr() % 16 == 0 and off % 16 == 0 and nbytes % 16 == 0
+              for t, off, nbytes in parts)
     return torch.tensor([[t.data_ptr(), off // 4, nbytes // 4] for t, off, nbytes in parts],
-                        dtype=torch.int64, device=device)
+                        dtype=torch.int64, device=device), vec
 
 
-def fill(fetched: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, max_words: int
-         ) -> None:
+def fill(fetched: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, max_words: int,
+         vec: bool = False) -> None:
     """Copy fetched experts into slots. fetched int64 [2, n] (expert, slot; -1 = none) on the
-    device; pool uint8 [S, slot_bytes] on the device; table: `fill_table` of the layer's parts;
-    max_words: its largest part's words per expert."""
+    device; pool uint8 [S, slot_bytes] on the device; table, vec: `fill_table` of the layer's
+    parts; max_words: its largest part's words per expert."""
     n = fetched.shape[1]
     if n == 0:
         return
+    vec = vec and pool.data_ptr() % 16 == 0 and pool.shape[1] % 16 == 0
     _fill_kernel[(n, table.shape[0], triton.cdiv(max_words, FILL_CHUNK))](
-        fetched, n, pool.view(torch.int32), pool.shape[1] // 4, table,
-        CHUNK=FILL_CHUNK, BLOCK=1024, num_warps=4)
+        fetched, n, pool.view(torch.int32), pool.data_ptr(), pool.shape[1] // 4, table,
+        CHUNK=FILL_CHUNK, BLOCK=FILL_CHUNK if vec else 1024, VEC=vec, num_warps=4)
