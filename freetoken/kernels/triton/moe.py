@@ -10,8 +10,8 @@ deterministic (no atomics), and a route whose expert maps to slot -1 keeps its z
 (another path computes it).
 Decode (few routes) uses BM = 1: one program per (route, row block), a GEMV over that expert's
 rows with no sort at all (vLLM's sort/align only pays off once several routes share an expert);
-block b is route b, whose slot is topk_ids[b] itself (or expert_map[topk_ids[b]]): no launch
-prepares the routes without a map, one gather with it.
+block b is route b, whose slot is topk_ids[b] itself (or expert_map[topk_ids[b]], read in the
+kernels, which also write the zero rows of routes mapped to -1): no launch prepares the routes.
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
 `moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows decoded
@@ -36,9 +36,12 @@ _ACT = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
-def _block_routes(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr):
+def _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM: tl.constexpr,
+                  MAP: tl.constexpr):
     pid_b = tl.program_id(0)
     slot = tl.load(block_slot_ptr + pid_b)
+    if MAP:  # decode with a map: block_slot holds the route's expert, the map its slot
+        slot = tl.load(map_ptr + slot)
     if BM == 1:  # decode: block b is route b (no route table to read)
         routes = pid_b + tl.arange(0, 1)
     else:
@@ -59,13 +62,13 @@ def _sum_routes_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexp
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, a_ptr, R,
-                    stride_xm, stride_ws, stride_wn, stride_ss, stride_sn, stride_am,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, map_ptr,
+                    a_ptr, R, stride_xm, stride_ws, stride_wn, stride_ss, stride_sn, stride_am,
                     K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                     FMT: tl.constexpr, DOT: tl.constexpr, ACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
-                    UNROLL: tl.constexpr):
-    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
+                    UNROLL: tl.constexpr, MAP: tl.constexpr):
+    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     if slot < 0:
         return
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -103,16 +106,20 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
-                 y_ptr, R, stride_am, stride_ws, stride_wn, stride_ss, stride_sn, stride_ym,
+def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, map_ptr,
+                 route_w_ptr, y_ptr, R, stride_am, stride_ws, stride_wn, stride_ss, stride_sn,
+                 stride_ym,
                  K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
-                 UNROLL: tl.constexpr):
-    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, R, BM)
-    if slot < 0:
-        return
+                 UNROLL: tl.constexpr, MAP: tl.constexpr):
+    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = rn < HIDDEN
+    if slot < 0:
+        if MAP:  # a route another path computes: its row reads zero (y is not cleared)
+            zero = tl.zeros((BN,), dtype=tl.float32)
+            tl.store(y_ptr + tl.program_id(0).to(tl.int64) * stride_ym + rn, zero, mask=n_ok)
+        return
     w_rows, s_rows = _row_ptrs(w_ptr + slot.to(tl.int64) * stride_ws,
                                s_ptr + slot.to(tl.int64) * stride_ss, rn, stride_wn, stride_sn,
                                FMT)
@@ -171,9 +178,7 @@ def _align(slots: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, 
 def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: int,
             bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     if bm == 1:  # route r is block r: the kernels read no route table (`_block_routes`)
-        slots = topk_ids.reshape(-1)  # a view: no launch without a map
-        if expert_map is not None:
-            slots = expert_map[slots.long()]  # int32, one gather
+        slots = topk_ids.reshape(-1)  # a view: no launch (a map is read in the kernels)
         return slots, slots
     slots = topk_ids.reshape(-1).long()
     if expert_map is not None:
@@ -312,27 +317,30 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     if r == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    # Every route's row is written unless a map sends it elsewhere (then it must read zero).
-    y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
-                                                           device=x.device)
+    # Every route's row is written unless a map sends it elsewhere (then it must read zero:
+    # the decode kernels write those zeros themselves, the sorted path's y is cleared).
+    mapped = expert_map is not None and bm == 1
+    y = (torch.empty if expert_map is None or mapped else torch.zeros)(
+        r, h, dtype=torch.float32, device=x.device)
+    emap = expert_map if mapped else block_slot
     w13, s13 = weight_args(bank.w13)
     w2, s2 = weight_args(bank.w2)
     scales = bank.scales.contiguous()
     rw = topk_weights.reshape(-1).contiguous()
     nb = block_slot.numel()
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
-        x, w13, s13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
+        x, w13, s13, scales, route_ids, block_slot, emap, a, r, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
         FMT=format_id(bank.w13), DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
         FAST=has_fast_tile(format_id(bank.w13), h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
-        num_warps=warps,
+        MAP=mapped, num_warps=warps,
         enable_fp_fusion=False)
     _down_kernel[(nb, triton.cdiv(h, bn))](
-        a, w2, s2, scales, route_ids, block_slot, rw, y, r, a.stride(0), w2.stride(0),
+        a, w2, s2, scales, route_ids, block_slot, emap, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
         FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk,
         FAST=has_fast_tile(format_id(bank.w2), inter, bk),
-        UNROLL=_unroll(unroll, bm, bn, inter, bk), num_warps=warps,
+        UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, num_warps=warps,
         enable_fp_fusion=False)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
