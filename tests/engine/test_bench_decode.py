@@ -149,3 +149,28 @@ def test_issue_command(tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_profile_decode_step_with_a_cache_backend(capsys):
+    """benchmarks/profile_decode_step.py on the CPU with the hybrid backend: the op table and
+    the hand-off worker's table (one job per MoE layer per step, routes the CPU computed) are
+    printed; the requests outlive the warm-up, record and profiled steps."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_decode_step as pds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # see the module docstring
+    try:
+        assert pds.main(["--model", "tiny-qwen3-moe", "--dummy-weights", "--dummy-format",
+                         "q4_k", "--device", "cpu", "--moe-backend", "hybrid",
+                         "--moe-cache-rate", "0.5", "--batch", "1,2", "--steps", "3",
+                         "--warmup", "1", "--rows", "5", "--no-show-progress"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert out.count("== hand-off worker, 3 steps without the profiler") == 2
+    assert out.count("2.0 jobs per step") == 2  # two MoE layers
+    assert "executor (CPU experts' compute)" in out and "counters per step: hits" in out
