@@ -138,7 +138,11 @@ def bench_moe(fmt: str, tokens: list[int], hbm: float, e: int = 128, h: int = 20
 
 
 GEMV_TILES = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4),
-              (16, 256, 8), (32, 256, 8)]
+              (16, 256, 8), (32, 256, 8),
+              # wide chunks (not Q4_K / Q6_K, whose dot takes one super-block): a program's
+              # loads of a whole row pair go out together instead of one chunk per round trip
+              (1, 1024, 1), (2, 512, 1), (2, 1024, 1), (2, 1024, 2), (2, 2048, 2), (4, 1024, 2),
+              (4, 2048, 4), (8, 2048, 4)]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
@@ -157,18 +161,20 @@ def _try(label: str, fn, nbytes: float, flops: float) -> str:
     return f"{label} {nbytes / g / 1e6:5.0f} GB/s {flops / g / 1e9:5.1f} TF/s {g * 1e3:7.1f} us"
 
 
-def sweep(fmt: str, hbm: float) -> None:
-    """Tile choices: dense o_proj / qkv and a MoE layer at 1, 16 and 512 tokens."""
+def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int = 128,
+          inter: int = 768) -> None:
+    """Tile choices: dense o_proj / qkv and a MoE layer (e experts, hidden 2048, FFN inter,
+    top-8) at 1, 16 and 512 tokens."""
     from freetoken.kernels.triton.linear import triton_linear
     from freetoken.kernels.triton.moe import fused_moe_triton
 
-    e, h, inter, topk = 128, 2048, 768, 8
+    h, topk = 2048, 8
     bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
                       torch.rand(e, 4, device="cuda") + 0.5)
     per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
     dense = [(n, k, make_weight(fmt, (n, k))) for _, n, k in DENSE[:2]]
     fbk = 256 if fmt in ("Q4_K", "Q6_K") else 128
-    for m in (1, 16, 512):
+    for m in tokens:
         tiles = [(1, bn, bk, w) for bn, bk, w in GEMV_TILES] if m == 1 else \
             [(bm, bn, bk or fbk, w) for bm, bn, bk, w in DOT_TILES[m]]
         if m == 16:
@@ -234,6 +240,9 @@ def main() -> None:
     p.add_argument("--moe-tokens", default="1,16,512")
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--sweep", default="", help="formats whose GEMV tiles to sweep first")
+    p.add_argument("--sweep-tokens", default="1,16,512", help="token counts of the sweep")
+    p.add_argument("--sweep-moe", default="128,768",
+                   help="experts,FFN of the sweep's MoE layer (256,512: Qwen3.6-35B-A3B)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     a = p.parse_args()
     if a.router:
@@ -242,7 +251,9 @@ def main() -> None:
     hbm = hbm_copy_gbs()
     print(f"HBM copy (read + write): {hbm:.0f} GB/s  ({torch.cuda.get_device_name()})")
     for fmt in filter(None, a.sweep.split(",")):
-        sweep_split(hbm) if fmt == "Q8_0s" else sweep(fmt, hbm)
+        sweep_split(hbm) if fmt == "Q8_0s" else \
+            sweep(fmt, hbm, tuple(int(t) for t in a.sweep_tokens.split(",")),
+                  *(int(v) for v in a.sweep_moe.split(",")))
     print(f"{'shape':10s} {'format':9s} {'tokens':>6s} {'MB':>9s} {'eager us':>9s} "
           f"{'graph us':>9s} {'GB/s':>8s} {'% HBM':>6s} {'TFLOP/s':>7s}")
     for fmt in filter(None, a.formats.split(",")):

@@ -87,3 +87,22 @@ def test_triton_embedding_matches_reference(fmt):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_nvfp4_gemv_wide_chunks():
+    """NVFP4 at one token with K >= 4096 takes 4 rows in 2048-wide chunks (the launcher's
+    choice on the GPU, `_blocks`): the same bound against float64 (small N here)."""
+    from freetoken.kernels.triton.linear import _blocks
+
+    n, k = 8, 4096
+    assert _blocks(1, n, k, 1, 1) == (1, 4, 2048, 4)
+    gen = torch.Generator().manual_seed(41)
+    qw = cases.random_weight("nvfp4", gen, n, k)
+    qw.scale2 = torch.rand(n, generator=gen) + 0.5
+    w = dequantize(qw)
+    x = torch.randn(1, k, generator=gen)
+    y = triton_linear(x.to(DEV), cases.to_device(qw, DEV), (1, 4, 2048, 4))
+    ref = (x.double() @ w.double().T) * qw.scale2.double()
+    mag = (x.double().abs() @ w.double().abs().T) * qw.scale2.double().abs()
+    err = (y.double().cpu() - ref).abs()
+    assert bool((err <= cases.fp32_bound(k, mag)).all())

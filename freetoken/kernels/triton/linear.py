@@ -163,6 +163,13 @@ def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, 
                 (1, 4, gemv_bk(fmt, k, 1024), 4)
         if dot and k % 256 == 0:
             return 16, 32, 256, 4
+    # NVFP4 at one token with K >= 4096 (o_proj / out_proj 2048x4096): 4 rows in 2048-wide
+    # chunks, 4 warps, 7.4 us (634 GB/s) against 9.1 (521) for 2 rows in 256-wide chunks; at K
+    # 2048 no chunk width or row count gained more than 5% (bench_gpu_kernels.py --sweep nvfp4
+    # --sweep-tokens 1, H200, 2026-12-01): the decode's integer and conversion work per value
+    # bounds these GEMVs, not the loads in flight.
+    if fmt == 1 and m == 1 and k >= 4096 and k % 2048 == 0:
+        return 1, 4, 2048, 4
     bk = gemv_bk(fmt, k, 1024 if fmt == 12 else 256)
     if m == 1 and bk is not None:
         if fmt in (1, 13):
