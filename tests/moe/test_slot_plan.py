@@ -26,8 +26,12 @@ from test_slot_cache import E, L, LruModel, _bank, _table  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("slots,limit", [(5, 99), (12, 1), (30, 2), (12, 0.3), (30, 0.5)])
-def test_plan_kernel_matches_python_model(slots, limit):
+@pytest.mark.parametrize("slots,limit,pad", [(5, 99, False), (12, 1, False), (30, 2, False),
+                                              (12, 0.3, False), (30, 0.5, False), (5, 99, True),
+                                              (12, 0.3, True)])
+def test_plan_kernel_matches_python_model(slots, limit, pad):
+    """pad: each call also carries two rows of a CUDA graph's padding past `live` (the
+    hand-off's word): the plan must ignore them (the model never sees them)."""
     from freetoken.kernels.triton.slot_plan import plan_triton
 
     banks = [_bank(i, False) for i in range(L)]
@@ -47,10 +51,18 @@ def test_plan_kernel_matches_python_model(slots, limit):
         lim = limit if isinstance(limit, int) else min(2, int(n_miss * limit + 0.5))
         h, m, f = ref.call(layer, ids.flatten().tolist(), lim)
         q, cap = c._q_cap(policy)
-        fetched = plan_triton(c, layer, ids.to(DEV), q, cap, True).cpu()
+        live = None
+        if pad:  # padding rows route anywhere; only the first T rows are real
+            junk = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(2)])
+            live = torch.tensor([T], dtype=torch.int32, device=DEV)
+            ids_dev = torch.cat([ids, junk]).to(DEV)
+        else:
+            ids_dev = ids.to(DEV)
+        fetched = plan_triton(c, layer, ids_dev, q, cap, True, live).cpu()
         for k, v in zip(("hits", "misses", "fetched"), (h, m, f)):
             total[k] += v
         assert int((fetched[0] >= 0).sum()) == f, f"step {step}"
+        assert bool((fetched[:, f:] == -1).all())
         assert _table(c) == ref.table(), f"step {step}"
         where = ref.table()
         for e, s in fetched[:, :f].t().tolist():  # the fetch list names the new owners

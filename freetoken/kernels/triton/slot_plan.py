@@ -30,32 +30,34 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
                  S: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
                  NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr):
     never = 0x7FFFFFFFFFFFFFFF
-    if HAS_LIVE:  # a CUDA graph's padding rows (from `live` on): not routed
-        R = tl.minimum(R, tl.load(live_ptr, volatile=True) * K)
+    # the loads that do not depend on each other first (`live` is a read over PCIe)
     clock = tl.load(clock_ptr) + 1
+    q = tl.load(q_ptr)
     e = tl.arange(0, EB)
     e_ok = e < E
     r = tl.arange(0, RB)
     ids = tl.load(ids_ptr + r, mask=r < R, other=-1)
+    cur = tl.load(slot_of_ptr + base + e, mask=e_ok, other=-1)
+    if HAS_LIVE:  # a CUDA graph's padding rows (from `live` on): not routed
+        ids = tl.where(r < tl.load(live_ptr, volatile=True) * K, ids, -1)
     counts = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)  # [EB]
     used = (counts > 0) & e_ok
-    cur = tl.load(slot_of_ptr + base + e, mask=e_ok, other=-1)
     hit = used & (cur >= 0)
     miss = used & (cur < 0)
     tl.store(last_ptr + tl.where(hit, cur, 0), tl.zeros((EB,), tl.int64) + clock, mask=hit)
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     tl.debug_barrier()
-    q = tl.load(q_ptr)
     limit = n_miss.to(tl.int64)
     if q >= 0:
         limit = tl.floor(n_miss.to(tl.float64) * q + 0.5).to(tl.int64)
     limit = tl.maximum(tl.minimum(limit, cap), 0)
     free = 0
-    for s0 in range(0, S, SB):
-        s = s0 + tl.arange(0, SB)
-        lu = tl.load(last_ptr + s, mask=s < S, other=0)
-        free += tl.sum(((s < S) & (lu != clock)).to(tl.int32), axis=0)
+    if limit > 0:  # the scan for unprotected slots only when something may be fetched
+        for s0 in range(0, S, SB):
+            s = s0 + tl.arange(0, SB)
+            lu = tl.load(last_ptr + s, mask=s < S, other=0)
+            free += tl.sum(((s < S) & (lu != clock)).to(tl.int32), axis=0)
     f = tl.minimum(tl.minimum(n_miss.to(tl.int64), free.to(tl.int64)),
                    tl.minimum(limit, N)).to(tl.int32)
     score = tl.where(miss, counts.to(tl.int64) * E + (E - 1 - e), -1)
