@@ -53,11 +53,10 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
         limit = tl.floor(n_miss.to(tl.float64) * q + 0.5).to(tl.int64)
     limit = tl.maximum(tl.minimum(limit, cap), 0)
     free = 0
-    if limit > 0:  # the scan for unprotected slots only when something may be fetched
-        for s0 in range(0, S, SB):
-            s = s0 + tl.arange(0, SB)
-            lu = tl.load(last_ptr + s, mask=s < S, other=0)
-            free += tl.sum(((s < S) & (lu != clock)).to(tl.int32), axis=0)
+    for s0 in range(0, S, SB):  # unprotected slots; no reads when nothing may be fetched
+        s = s0 + tl.arange(0, SB)  # (then f = 0 whatever this counts)
+        lu = tl.load(last_ptr + s, mask=(s < S) & (limit > 0), other=0)
+        free += tl.sum(((s < S) & (lu != clock)).to(tl.int32), axis=0)
     f = tl.minimum(tl.minimum(n_miss.to(tl.int64), free.to(tl.int64)),
                    tl.minimum(limit, N)).to(tl.int32)
     score = tl.where(miss, counts.to(tl.int64) * E + (E - 1 - e), -1)
