@@ -126,31 +126,58 @@ def chunk_gated_delta(q, k, v, g, beta, state) -> torch.Tensor:
     """One sequence: q, k [H, L, dk], v [H, L, dv], g, beta [H, L], state [H, dk, dv]
     (updated in place). Chunks of CHUNK tokens: within a chunk the delta-rule updates are
     condensed by the UT transform (T = I + strict_lower((beta k) k^T * decay), solved by
-    triangular solve), across chunks the state carries. Returns o [H, L, dv]."""
-    out = torch.empty(*v.shape, dtype=v.dtype, device=v.device)
-    for s in range(0, q.shape[1], CHUNK):
-        e = min(s + CHUNK, q.shape[1])
-        out[:, s:e] = _chunk(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], state)
+    triangular solve), across chunks the state carries. Returns o [H, L, dv].
+
+    What does not depend on the carried state (decays, the two triangular solves, the
+    in-chunk attention) is computed for GROUP chunks at once; only the state's recurrence
+    (three small products per chunk) runs chunk by chunk. The last chunk is padded with
+    k = v = 0, beta = 0, g = 0: such a token changes no state and decays nothing."""
+    H, L, dk = q.shape
+    dv = v.shape[-1]
+    out = torch.empty(H, L, dv, dtype=v.dtype, device=v.device)
+    span = CHUNK * GROUP.get(q.device.type, 1)
+    for s0 in range(0, L, span):
+        e0 = min(s0 + span, L)
+        out[:, s0:e0] = _chunks(q[:, s0:e0], k[:, s0:e0], v[:, s0:e0], g[:, s0:e0],
+                                beta[:, s0:e0], state)
     return out
 
 
-def _chunk(q, k, v, g, beta, state) -> torch.Tensor:
-    n = q.shape[1]
-    cum = g.cumsum(-1)  # [H, L]: log decay from the chunk start
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+# Chunks whose state-free parts are computed together, by device (memory ~ GROUP CHUNK^2 H).
+# On the CPU one at a time: a chunk's [H, C, C] intermediates stay in cache, and batching
+# measured 1.5x slower (H 32, 2048 tokens, dk = dv = 128); on a GPU, batching saves launches.
+GROUP = {"cpu": 1, "cuda": 32}
+
+
+def _chunks(q, k, v, g, beta, state) -> torch.Tensor:
+    H, L, _ = q.shape
+    n = -(-L // CHUNK)
+    pad = n * CHUNK - L
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    q, k, v = (t.reshape(H, n, CHUNK, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(H, n, CHUNK), beta.reshape(H, n, CHUNK)
+    cum = g.cumsum(-1)  # [H, n, C]: log decay from each chunk's start
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     kb, vb = k * beta[..., None], v * beta[..., None]
-    ut = (kb @ k.transpose(-1, -2)) * decay  # [H, L, L]; diagonal ignored (unitriangular)
+    ut = (kb @ k.transpose(-1, -2)) * decay  # [H, n, C, C]; diagonal ignored (unitriangular)
     u = torch.linalg.solve_triangular(ut, vb, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(ut, kb * cum.exp()[..., None], upper=False,
                                       unitriangular=True)
-    v_new = u - w @ state  # [H, L, dv]: what the carried state does not already predict
     attn = (q @ k.transpose(-1, -2)) * decay
-    o = (q * cum.exp()[..., None]) @ state + attn @ v_new
-    last = cum[:, -1:]  # [H, 1]
-    state.mul_(last.exp()[..., None])
-    state.add_((k * (last - cum).exp()[..., None]).transpose(-1, -2) @ v_new)
-    return o
+    qd = q * cum.exp()[..., None]
+    last = cum[..., -1:]  # [H, n, 1]
+    kd = (k * (last - cum).exp()[..., None]).transpose(-1, -2)  # [H, n, dk, C]
+    keep = last.exp()[..., None]  # [H, n, 1, 1]: the state's decay over a whole chunk
+    o = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ state  # what the carried state does not already predict
+        o[:, i] = qd[:, i] @ state + attn[:, i] @ v_new
+        state.mul_(keep[:, i])
+        state.add_(kd[:, i] @ v_new)
+    return o.reshape(H, n * CHUNK, -1)[:, :L]
 
 
 def _triton_ok(spec: GDNSpec) -> bool:

@@ -47,9 +47,15 @@ def _naive64(q, k, v, g, beta, state):
     return torch.stack(out, 1), s
 
 
-def test_gdn_chunked_and_step_match_float64():
+@pytest.mark.parametrize("group", [1, 2, 32])
+def test_gdn_chunked_and_step_match_float64(group, monkeypatch):
     """150 tokens (two full chunks and a partial one) from a non-zero state: the chunked
-    prefill and the one-step decode both agree with float64 to 1e-5 of the output scale."""
+    prefill and the one-step decode both agree with float64 to 1e-5 of the output scale;
+    group 2: the chunks' state-free parts in two batches (the state carried across); 32:
+    all at once (the GPU's setting)."""
+    from freetoken.layers import gdn
+
+    monkeypatch.setitem(gdn.GROUP, "cpu", group)
     g_ = torch.Generator().manual_seed(0)
     H, L, dk, dv = 3, 150, 16, 8
     q, k = (torch.nn.functional.normalize(torch.randn(H, L, dk, generator=g_), dim=-1)
