@@ -150,6 +150,17 @@ def both(cpu: CpuSide, pcie: PcieSide, seconds: float) -> tuple[float, float]:
     return res["cpu"], res["pcie"]
 
 
+def _fetch_path(cpu: CpuSide, side: PcieSide, seconds: float) -> tuple[float, float, float]:
+    """(side alone, cpu while both run, side while both run) GB/s of one fetch path (after a
+    short warm-up); the side is closed afterwards."""
+    try:
+        side.run(min(0.1, seconds))
+        alone = side.run(seconds)
+        return (alone, *both(cpu, side, seconds))
+    finally:
+        side.close()
+
+
 def recommend(cpu: float, pcie: float | None) -> tuple[str, str]:
     if pcie is None:
         return "fused", ("no GPU: the CPU is the device, every expert is resident in host "
@@ -173,20 +184,10 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
            "cpu_gbps": cpu.run(seconds), "pcie_gbps": None, "cpu_both_gbps": None,
            "pcie_both_gbps": None}
     if torch.cuda.is_available():
-        pcie = PcieSide(lb)
-        try:
-            pcie.run(min(0.1, seconds))
-            res["pcie_gbps"] = pcie.run(seconds)
-            res["cpu_both_gbps"], res["pcie_both_gbps"] = both(cpu, pcie, seconds)
-        finally:
-            pcie.close()
-        fill = FillSide(lb)
-        try:
-            fill.run(min(0.1, seconds))
-            res["fill_gbps"] = fill.run(seconds)
-            res["cpu_fill_both_gbps"], res["fill_both_gbps"] = both(cpu, fill, seconds)
-        finally:
-            fill.close()
+        res["pcie_gbps"], res["cpu_both_gbps"], res["pcie_both_gbps"] = \
+            _fetch_path(cpu, PcieSide(lb), seconds)
+        res["fill_gbps"], res["cpu_fill_both_gbps"], res["fill_both_gbps"] = \
+            _fetch_path(cpu, FillSide(lb), seconds)
     # q*: decode steps fetch with the fill kernel (inside CUDA graphs), so its figure with
     # the executor running decides the split where it was measured
     b_cpu = res.get("cpu_fill_both_gbps") or res["cpu_both_gbps"] or res["cpu_gbps"]
