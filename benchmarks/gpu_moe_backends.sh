@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The expert-cache backends (offload, cpu, hybrid) on one GPU machine, in one command, each
 # stage time-limited and writing under OUT_DIR:
-#   bash benchmarks/gpu_moe_backends.sh smoke|full|all OUT_DIR [BASE_TREE]
+#   bash benchmarks/gpu_moe_backends.sh smoke|quick|full|all OUT_DIR [BASE_TREE]
 # 1. the CPU MoE executor built here with cmake (skipped when freetoken/ holds a build of
 #    the same csrc: build.stamp), copied into freetoken/;
 # 2. `ft bench bw` for q4_k and nvfp4 (writes the profile hybrid's q* and the ceilings use);
@@ -9,13 +9,19 @@
 #    models), the slot cache and its plan kernel; 4. a 2-layer Qwen3-30B-A3B shape, every
 #    backend at cache rate 0.1, batch 1 and 4, prefill 512, a profiled step; with BASE_TREE
 #    the same runs with that tree's code (before / after);
+# quick (about 6 minutes, the tables of a closing note): 3. the CUDA tests of the backends
+#    and the GPU kernels they use; 4. cpu and hybrid at cache rate 0.1: Qwen3.6-35B-A3B NVFP4 at
+#    batch 1-4, Qwen3-30B-A3B Q4_K and NVFP4 at batch 1 and 4, the 35B's prefill of 512 and
+#    2048 tokens, and a profiled hybrid step of the 35B at batch 1 (kernels and the hand-off
+#    worker's table);
 # full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
 #    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
 #    model loaded once); all: smoke, then full.
 set -uo pipefail
-mode=${1:?usage: gpu_moe_backends.sh smoke|full|all OUT_DIR [BASE_TREE]}
-out=${2:?usage: gpu_moe_backends.sh smoke|full|all OUT_DIR [BASE_TREE]}
+mode=${1:?usage: gpu_moe_backends.sh smoke|quick|full|all OUT_DIR [BASE_TREE]}
+out=${2:?usage: gpu_moe_backends.sh smoke|quick|full|all OUT_DIR [BASE_TREE]}
+case $mode in smoke|quick|full|all) ;; *) echo "mode must be smoke, quick, full or all" >&2; exit 2;; esac
 base=${3:-}
 full_limit=${FULL_STAGE_SECONDS:-400}  # per model of the full sweeps
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -54,7 +60,28 @@ sweep() {  # sweep NAME SECONDS MODEL FORMAT BACKENDS RATES BATCHES TOKENS [extr
     --json "$out/$name.json" --profile "$out/$name-trace.json" "$@"
 }
 
-if [ "$mode" != full ]; then
+if [ "$mode" = quick ]; then
+  stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_handoff.py \
+    tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
+    tests/moe/test_prefill_stream.py tests/kernels/test_triton_gdn.py \
+    tests/kernels/test_triton_glu.py tests/kernels/test_triton_moe.py \
+    -k "cuda or slot or handoff or plan or gdn or glu"
+  decode() {  # decode NAME MODEL FORMAT BATCHES
+    stage "$1" 200 python3 -m freetoken.cli bench decode --model "$2" --dummy-weights \
+      --dummy-format "$3" --moe-backends cpu,hybrid --moe-cache-rates 0.1 --batch "$4" \
+      --tokens 16 --prompt-len 32 --warmup 3 --no-show-progress --json "$out/$1.json"
+  }
+  decode q_35b qwen3.6-35b-a3b nvfp4 1,2,3,4
+  decode q_30b_q4k qwen3-30b-a3b q4_k 1,4
+  decode q_30b_nvfp4 qwen3-30b-a3b nvfp4 1,4
+  stage q_35b_prefill 150 python3 -m freetoken.cli bench prefill --model qwen3.6-35b-a3b \
+    --dummy-weights --dummy-format nvfp4 --moe-backend hybrid --moe-cache-rate 0.1 \
+    --prompt-lens 512,2048 --warmup 1 --no-show-progress
+  stage q_35b_profile 150 python3 benchmarks/profile_decode_step.py --model qwen3.6-35b-a3b \
+    --dummy-weights --dummy-format nvfp4 --moe-backend hybrid --moe-cache-rate 0.1 --batch 1 \
+    --steps 10 --warmup 3 --rows 30 --prompt-len 32
+fi
+if [ "$mode" = smoke ] || [ "$mode" = all ]; then
   stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_handoff.py \
     tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
     tests/moe/test_prefill_stream.py -k "cuda or slot or handoff"
@@ -70,7 +97,7 @@ if [ "$mode" != full ]; then
     done
   fi
 fi
-if [ "$mode" != smoke ]; then
+if [ "$mode" = full ] || [ "$mode" = all ]; then
   sweep q4k_30b "$full_limit" qwen3-30b-a3b q4_k offload,cpu,hybrid 0.1,0.25 1,2,3,4 12 \
     --prompt-lens 512,2048
   sweep nvfp4_35b "$full_limit" qwen3.6-35b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 12 \
@@ -80,7 +107,7 @@ if [ "$mode" != smoke ]; then
 fi
 rm -f "$out"/*-trace*.json  # the tables are in the .txt files; traces are large
 grep -h "FAILED\|Error\|passed\|failed" "$out/tests.txt" 2>/dev/null | head -20
-grep -h -A12 "^batch\|^ prompt\|^step\|exit" "$out"/*.txt | cut -c1-160 | tail -n 150
+grep -h -A12 "^batch\|^ prompt\|^step\|exit\|hand-off worker" "$out"/*.txt | cut -c1-160 | tail -n 150
 # one archive: the device tool brings back only a few files
 tar -czf /tmp/gpu_moe_results.tgz -C "$out" . && rm -rf "${out:?}"/* && \
   mv /tmp/gpu_moe_results.tgz "$out/results.tgz"
