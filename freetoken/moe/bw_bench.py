@@ -27,6 +27,7 @@ import torch
 from freetoken.moe.cpu_bench import LayerBench, LayerShape
 from freetoken.moe.cpu_executor import CpuMoeExecutor, default_threads
 from freetoken.moe.policy import cpu_model, gpu_model, profile_key, save_profiles
+from freetoken.moe.slot_cache import ALIGN
 
 # --formats names -> (gate/up, down) as cpu_bench.make_weights takes them
 FORMATS = {"nvfp4": ("nvfp4", "nvfp4"), "q4_k": ("Q4_K", "Q4_K"), "q4_k_m": ("Q4_K", "Q6_K"),
@@ -74,12 +75,17 @@ class PcieSide:
         cudart = torch.cuda.cudart()
         for t in self.parts:  # the executor's own huge-page memory, as host banks are
             cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        self.pool = [torch.empty((slots, *t.shape[1:]), dtype=t.dtype, device="cuda")
-                     for t in self.parts]
-        self.expert_bytes = sum(t[0].numel() * t.element_size() for t in self.parts)
+        self.part_bytes = [t[0].numel() * t.element_size() for t in self.parts]  # per expert
+        self.expert_bytes = sum(self.part_bytes)
         self.n = lb.w13.data.shape[0]
         self.stream = torch.cuda.Stream()
         self.gen = torch.Generator().manual_seed(1)
+        self._make_pool(slots)
+
+    def _make_pool(self, slots: int) -> None:
+        """The device slots: one tensor per part."""
+        self.pool = [torch.empty((slots, *t.shape[1:]), dtype=t.dtype, device="cuda")
+                     for t in self.parts]
 
     def run(self, seconds: float, stop: threading.Event | None = None) -> float:
         copies, t0 = 0, time.perf_counter()
@@ -107,20 +113,17 @@ class FillSide(PcieSide):
     slot fill kernel (kernels/triton/handoff.py), the GPU's own threads reading the pinned
     banks, 32 experts per launch into a pool of whole slots."""
 
-    def __init__(self, lb: LayerBench, slots: int = 64):
+    def _make_pool(self, slots: int) -> None:
+        """Whole slots as the slot cache lays them out: each part at an ALIGN boundary."""
         from freetoken.kernels.triton.handoff import fill_table
 
-        super().__init__(lb, slots)
-        del self.pool
         offs, o = [], 0
-        for t in self.parts:
+        for nbytes in self.part_bytes:
             offs.append(o)
-            o += -(-t[0].numel() * t.element_size() // 256) * 256
+            o += -(-nbytes // ALIGN) * ALIGN
         self.pool = torch.empty(slots, o, dtype=torch.uint8, device="cuda")
-        self.table, self.vec = fill_table(
-            [(t, off, t[0].numel() * t.element_size()) for t, off in zip(self.parts, offs)],
-            "cuda")
-        self.max_words = max(t[0].numel() * t.element_size() for t in self.parts) // 4
+        self.table, self.vec = fill_table(list(zip(self.parts, offs, self.part_bytes)), "cuda")
+        self.max_words = max(self.part_bytes) // 4
         self.slots = torch.arange(32, device="cuda") % slots
 
     def run(self, seconds: float, stop: threading.Event | None = None) -> float:
