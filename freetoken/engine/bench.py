@@ -436,7 +436,10 @@ def _main(config: EngineConfig, batches: list[int], prompt_len: int, tokens: int
           profile_path: str | None, moe_runs: list[tuple[str, float]] | None) -> dict:
     config = bench_config(config, batches, prompt_len, tokens, warmup,
                           prompt_lens if prefill else [])
-    runs = [replace(config, moe_backend=b, moe_cache_rate=r) for b, r in moe_runs or []]
+    # --moe-hybrid-max-fetch goes to the sweep's hybrid runs only (the others refuse it)
+    runs = [replace(config, moe_backend=b, moe_cache_rate=r,
+                    moe_hybrid_max_fetch=config.moe_hybrid_max_fetch if b == "hybrid" else None)
+            for b, r in moe_runs or []]
     report: dict = {}
     model = None
     for i, cfg in enumerate(runs or [config]):

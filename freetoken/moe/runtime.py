@@ -56,14 +56,39 @@ def choose_backend(config, mods: list[FusedExperts], device: torch.device) -> tu
     return rec, f"auto: experts exceed the device; the ft bench bw profile recommends {rec}"
 
 
+def unused_moe_flags(config, backend: str | None) -> list[str]:
+    """The expert-cache flags set in `config` that `backend` does not use (None: a model
+    without MoE layers uses none of them)."""
+    cache = backend in CACHE_BACKENDS
+    given = {"--moe-cache-size": config.moe_cache_size is not None and not cache,
+             "--moe-cache-rate": config.moe_cache_rate is not None and not cache,
+             "--moe-prefill-hit-d2d": config.moe_prefill_hit_d2d and not cache,
+             "--disable-moe-prefill-overlap": config.disable_moe_prefill_overlap and not cache,
+             "--moe-hybrid-max-fetch": config.moe_hybrid_max_fetch is not None
+             and backend != "hybrid"}
+    return [flag for flag, unused in given.items() if unused]
+
+
 def configure_moe(model, config, device: torch.device):
-    """Set every FusedExperts' backend from `config`; returns a MoERuntime or None (fused)."""
+    """Set every FusedExperts' backend from `config`; returns a MoERuntime or None (fused).
+    Expert-cache flags the backend does not use are refused when the backend was asked for,
+    and logged as unused when auto chose it or the model has no MoE layers."""
     mods = expert_modules(model)
     if not mods:
+        unused = unused_moe_flags(config, None)
+        if unused:
+            logger.warning("%s: unused, the model has no MoE layers", ", ".join(unused))
         return None
     device = torch.device(device)
     backend, why = choose_backend(config, mods, device)
     logger.info("MoE backend %s (%s)", backend, why)
+    unused = unused_moe_flags(config, backend)
+    if unused and config.moe_backend != "auto":
+        raise ValueError(f"{', '.join(unused)}: not used by --moe-backend {backend} (the "
+                         "expert-cache flags go with offload, hybrid or cpu; "
+                         "--moe-hybrid-max-fetch with hybrid)")
+    if unused:
+        logger.warning("%s: unused, auto chose the %s MoE backend", ", ".join(unused), backend)
     if backend == "fused":
         _to_device(mods, device)
         return None

@@ -301,6 +301,27 @@ def test_auto_and_no_gpu_are_logged(caplog):
                       torch.device("cpu"))
 
 
+def test_unused_expert_cache_flags_are_refused_or_logged(caplog):
+    """A flag the backend does not use is never silently accepted: refused with the backend
+    asked for (fused with cache flags, cpu or offload with --moe-hybrid-max-fetch), logged
+    when auto chose fused."""
+    caplog.set_level("INFO", logger="freetoken.moe.runtime")
+    cpu = torch.device("cpu")
+    for cfg, flags in ((EngineConfig(moe_backend="fused", moe_cache_rate=0.5),
+                        "--moe-cache-rate"),
+                       (EngineConfig(moe_backend="fused", moe_prefill_hit_d2d=True,
+                                     disable_moe_prefill_overlap=True),
+                        "--moe-prefill-hit-d2d, --disable-moe-prefill-overlap"),
+                       (EngineConfig(moe_backend="cpu", moe_hybrid_max_fetch=2),
+                        "--moe-hybrid-max-fetch"),
+                       (EngineConfig(moe_backend="offload", moe_hybrid_max_fetch=0),
+                        "--moe-hybrid-max-fetch")):
+        with pytest.raises(ValueError, match=f"^{flags}: not used by --moe-backend"):
+            configure_moe(load("qwen3_moe-gguf"), cfg, cpu)
+    assert configure_moe(load("qwen3_moe-gguf"), EngineConfig(moe_cache_size=4), cpu) is None
+    assert "--moe-cache-size: unused, auto chose the fused MoE backend" in caplog.text
+
+
 def test_engine_counters_and_decode_log(caplog):
     """Through the engine: --moe-backend reaches the model, EngineStats carries the counters
     (hits + misses = routed), and a decode log line comes every --decode-log-interval steps."""
