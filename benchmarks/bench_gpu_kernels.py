@@ -143,6 +143,12 @@ GEMV_TILES = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), 
               # loads of a whole row pair go out together instead of one chunk per round trip
               (1, 1024, 1), (2, 512, 1), (2, 1024, 1), (2, 1024, 2), (2, 2048, 2), (4, 1024, 2),
               (4, 2048, 4), (8, 2048, 4)]
+# (BN, BK, num_warps) of the int8-dot GEMV (gemv_i8.py: NVFP4, Q4_K, split Q8_0 at one token,
+# bf16 x; FREETOKEN_GPU_INT8_DOT=0 sweeps the fp32 GEMV's GEMV_TILES instead): x is quantized
+# per program, so more rows per program share that work
+I8_TILES = [(2, 1024, 1), (4, 512, 2), (4, 1024, 2), (4, 2048, 4), (8, 256, 4), (8, 512, 4),
+            (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 4),
+            (16, 1024, 8), (16, 2048, 8), (32, 512, 8)]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
@@ -150,6 +156,13 @@ SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048,
 DOT_TILES = {16: [(16, 16, 0, 4), (16, 32, 0, 4), (16, 64, 0, 4), (16, 32, 0, 8), (16, 32, 0, 2)],
              512: [(64, 64, 0, 4), (64, 64, 0, 8), (128, 64, 0, 8), (64, 128, 0, 8),
                    (128, 128, 0, 8), (32, 64, 0, 4)]}
+
+
+def _i8(fmt: str) -> bool:
+    """Whether one-token calls of this format take the int8-dot GEMV (bf16 x)."""
+    from freetoken import env
+
+    return fmt in ("nvfp4", "Q4_K", "Q8_0s") and env.gpu_int8_dot()
 
 
 def _try(label: str, fn, nbytes: float, flops: float) -> str:
@@ -174,9 +187,12 @@ def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int =
     per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
     dense = [(n, k, make_weight(fmt, (n, k))) for _, n, k in DENSE[:2]]
     fbk = 256 if fmt in ("Q4_K", "Q6_K") else 128
+    gemv_tiles = I8_TILES if _i8(fmt) else GEMV_TILES
     for m in tokens:
-        tiles = [(1, bn, bk, w) for bn, bk, w in GEMV_TILES] if m == 1 else \
-            [(bm, bn, bk or fbk, w) for bm, bn, bk, w in DOT_TILES[m]]
+        tiles = [(1, bn, bk, w) for bn, bk, w in gemv_tiles] if m == 1 else \
+            [(bm, bn, bk or fbk, w) for bm, bn, bk, w in DOT_TILES.get(m, DOT_TILES[16])]
+        if 1 < m <= 4 and _i8(fmt):  # the int8 GEMV once per token
+            tiles += [(1, bn, bk, w) for bn, bk, w in I8_TILES if bk >= 1024]
         if m == 16:
             tiles += [(1, bn, bk, w) for bn, bk, w in GEMV_TILES[2:5]]  # per-route MoE
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k, _ in dense}
@@ -185,10 +201,11 @@ def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int =
         xm = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         moe_bytes = int(torch.unique(ids).numel()) * per_expert
         for t in tiles:
-            if fmt in ("Q4_K", "Q6_K") and t[2] != 256:
+            if fmt in ("Q4_K", "Q6_K") and \
+                    (t[2] % 256 if t[0] == 1 and _i8(fmt) else t[2] != 256):
                 continue
             cells = []
-            if t[0] != 1 or m == 1:
+            if t[0] != 1 or m == 1 or (m <= 4 and _i8(fmt)):
                 for n, k, qw in dense:
                     cells.append(_try(f"{n}x{k}", lambda x=xs[k], qw=qw, t=t:
                                       triton_linear(x, qw, t), qw.nbytes(), 2 * m * n * k))
@@ -207,8 +224,11 @@ def sweep_split(hbm: float) -> None:
         qw = make_weight("Q8_0s", (n, k))
         for m in (1, 4, 16):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            tiles = [(1, bn, bk, w) for bn, bk, w in SPLIT_TILES] if m == 1 else \
+            gemv_tiles = I8_TILES if _i8("Q8_0s") else SPLIT_TILES
+            tiles = [(1, bn, bk, w) for bn, bk, w in gemv_tiles] if m == 1 else \
                 [(bm, bn, 256, w) for bm, bn, _, w in DOT_TILES[16]]
+            if m == 4 and _i8("Q8_0s"):  # the int8 GEMV once per token
+                tiles += [(1, bn, bk, w) for bn, bk, w in I8_TILES if bk >= 1024]
             cells = [_try(f"{t}", lambda a=(x, qw, t): triton_linear(*a), qw.nbytes(),
                           2 * m * n * k) for t in tiles]
             print(f"sweep Q8_0s {name} m={m:2d}:\n  " + "\n  ".join(cells), flush=True)

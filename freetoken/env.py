@@ -50,6 +50,14 @@ def cpu_float() -> bool:
     return v is not None and _flag("FREETOKEN_CPU_FLOAT")
 
 
+def gpu_int8_dot() -> bool:
+    """FREETOKEN_GPU_INT8_DOT=0: the GPU's decode GEMVs (NVFP4, Q4_K, split Q8_0 at bf16 / f16)
+    multiply in fp32 from decoded weights instead of int8 dot products over activations
+    quantized per 32 values (`kernels/triton/gemv_i8.py`; llama.cpp's numbers, faster)."""
+    return os.environ.get("FREETOKEN_GPU_INT8_DOT", "").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None

@@ -13,7 +13,11 @@ the same Q8_0 codes). The bf16 run rounds its residual stream to bf16 after each
 two residual additions (2L roundings) and the final norm rounds its input and its output (2);
 each of the 2L sublayers adds its own error, at most u of the residual stream to first order
 (sublayer gains below 1, as in these small-weight models). So every component of h carries a
-relative error of at most eps = (4L + 2) u. A logit
+relative error of at most eps = (4L + 2) u. The bound covers bf16 rounding: the run uses the
+GEMVs that multiply in fp32 (FREETOKEN_GPU_INT8_DOT=0). The int8 dots of the default decode
+path quantize their activations per 32 values, an error relative to each block's largest
+value rather than to each value, which this per-component bound cannot state; their bound is
+held per kernel in tests/kernels/test_triton_gemv_i8.py. A logit
 z_v = sum_i h_i W_vi then moves by at most eps sum_i |h_i| |W_vi| + u |z_v| (the last term: the
 logit itself rounded to bf16), and the top-1 token cannot change where the float32 margin
 top1 - top2 exceeds twice the largest such error over the vocabulary:
@@ -96,7 +100,8 @@ def _same_routes_until(r32: list, r16: list, seqs: int, steps: int) -> torch.Ten
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe"])
-def test_bf16_top1_agrees_where_margin_exceeds_bound(name):
+def test_bf16_top1_agrees_where_margin_exceeds_bound(name, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_GPU_INT8_DOT", "0")  # the bound is bf16 rounding's (doc)
     m32, m16 = (load_dummy(name, "q4_k", dtype=dt, device="cuda", show_progress=False)
                 for dt in (torch.float32, torch.bfloat16))
     vocab = m32.config.vocab_size

@@ -21,6 +21,14 @@ import triton.language as tl
 from freetoken.formats.qweight import QuantWeight
 from freetoken.kernels.triton.formats import F_Q8_0_SPLIT, format_id
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
+from freetoken.kernels.triton.gemv_i8 import (
+    asm,
+    gemv_i8_block,
+    i8_chunk,
+    i8_chunk_ok,
+    quant_x,
+    use_i8,
+)
 from freetoken.kernels.triton.quant import decode_tile
 from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
 
@@ -54,7 +62,8 @@ def _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT: tl.constexpr):
 def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
                 stride_xm, stride_wn, stride_sn, stride_om, K: tl.constexpr,
                 FMT: tl.constexpr, SCALE2: tl.constexpr, DOT: tl.constexpr,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
+                I8: tl.constexpr, ASM: tl.constexpr):
     pid_m = tl.program_id(0)  # tokens vary fastest: programs that share rows run together
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -63,7 +72,12 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
     w_rows, s_rows = _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1:  # decode: K is a multiple of BK (the launcher's gemv_bk)
+    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py), the chunks unrolled
+        x_row = x_ptr + pid_m * stride_xm
+        for k0 in tl.static_range(0, K, BK):
+            xq = quant_x(x_row, k0, BK, FMT == 1)
+            acc += gemv_i8_block(FMT, w_rows, s_rows, xq, k0, n_ok, BK, ASM)[None, :]
+    elif BM == 1:  # decode: K is a multiple of BK (the launcher's gemv_bk)
         for k0 in tl.range(0, K, BK):
             acc += gemv_block(FMT, w_rows, s_rows, x_ptr + pid_m * stride_xm, k0, n_ok,
                               BK)[None, :]
@@ -140,6 +154,33 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
                      f"1 or one per output row ({n})")
 
 
+# Tokens up to which the int8 GEMV runs once per token (BM = 1, the weight's later reads hit
+# L2) instead of tl.dot tiles, per format. Measured on the H200 at 4 tokens
+# (bench_gpu_kernels.py --sweep F --sweep-tokens 4, 2026-12-01): Q4_K qkv 5120x2048 8.9 us
+# against 21.7 (best tl.dot tile), o_proj 2048x4096 7.5 against 23.7; NVFP4 22.1 against 21.7
+# and 19.4 against 25.8 (its int8 expansion costs more per byte: four tokens, four times the
+# one-token time).
+I8_TOKENS = {1: 4, 13: 4, 18: 1}
+
+
+def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, int, int, int] | None:
+    """(1, BN, BK, num_warps) of the int8 GEMV, or None where K does not split into its
+    chunks. Measured on the H200 at one token (bench_gpu_kernels.py --sweep nvfp4,Q4_K
+    --sweep-tokens 1, chunks unrolled): 8 rows, chunks up to 2048, 4 warps: NVFP4 qkv
+    5120x2048 4.5 us (against 8.3 for the fp32 GEMV), o_proj 2048x4096 4.6 (7.4); Q4_K 5.2
+    and 5.3. Four tokens of Q4_K: 2 rows, one warp (more programs; the rows' bytes stay in L2
+    for the next token). The lm_head (151936 rows) 16 rows in 512-wide chunks (Q8_0: 78.5 us,
+    4.2 TB/s)."""
+    bk = i8_chunk(fmt, k, 2048)
+    if bk is None:
+        return None
+    if n > 65536:
+        return 1, 16, min(bk, 512), 4
+    if m > 1 and fmt == 13:
+        return 1, 2, min(bk, 1024), 1
+    return 1, 8, bk, 4
+
+
 def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, int]:
     """(BM, BN, BK, num_warps) by shape: GEMV rows per program sized so that at batch 1 there
     are several programs per SM; GEMM tiles for tl.dot otherwise."""
@@ -209,14 +250,21 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
+    i8 = m <= I8_TOKENS.get(fmt, 0) and use_i8(fmt, x.dtype)
+    if i8 and tiles is None:
+        tiles = _i8_blocks(m, n, k, fmt)
+        i8 = tiles is not None
     bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt, dot)
     if bm == 1 and k % bk:
         raise ValueError(f"linear: GEMV chunk BK={bk} must divide K={k}")
+    if i8 and not i8_chunk_ok(fmt, k, bk):
+        raise ValueError(f"linear: int8 GEMV chunk BK={bk} does not tile K={k} for "
+                         f"{qw.fmt}")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,
-                      BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(fmt, k, bk), num_warps=warps,
-                      enable_fp_fusion=False)
+                      BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(fmt, k, bk), I8=i8, ASM=asm(),
+                      num_warps=warps, enable_fp_fusion=False)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
+from freetoken.kernels.triton.gemv_i8 import asm, gemv_i8_block, i8_chunk, quant_x, use_i8
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
 from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, glu, grouped_expert_kernels
 from freetoken.kernels.triton.quant import decode_tile, format_id
@@ -67,7 +68,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
                     K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                     FMT: tl.constexpr, DOT: tl.constexpr, ACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
-                    UNROLL: tl.constexpr, MAP: tl.constexpr):
+                    UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
+                    ASM: tl.constexpr = True):
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     if slot < 0:
         return
@@ -80,7 +82,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
     x_rows = x_ptr + (routes // TOPK)[:, None].to(tl.int64) * stride_xm
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1:  # decode: one route (route = block), K a multiple of BK
+    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py), x quantized once for both, the
+        x_row = x_ptr + (tl.program_id(0) // TOPK).to(tl.int64) * stride_xm  # chunks unrolled
+        for k0 in tl.static_range(0, K, BK):
+            xq = quant_x(x_row, k0, BK, FMT == 1)
+            acc_g += gemv_i8_block(FMT, wg, sg, xq, k0, n_ok, BK, ASM)[None, :]
+            acc_u += gemv_i8_block(FMT, wu, su, xq, k0, n_ok, BK, ASM)[None, :]
+    elif BM == 1:  # decode: one route (route = block), K a multiple of BK
         x_row = x_ptr + (tl.program_id(0) // TOPK).to(tl.int64) * stride_xm
         for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
             acc_g += gemv_block(FMT, wg, sg, x_row, k0, n_ok, BK)[None, :]
@@ -111,7 +119,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                  stride_ym,
                  K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
-                 UNROLL: tl.constexpr, MAP: tl.constexpr):
+                 UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
+                 ASM: tl.constexpr = True):
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = rn < HIDDEN
@@ -125,7 +134,12 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                                FMT)
     a_rows = a_ptr + routes[:, None].to(tl.int64) * stride_am
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1:  # decode: one route (route = block), K a multiple of BK
+    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py), the chunks unrolled
+        a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
+        for k0 in tl.static_range(0, K, BK):
+            xq = quant_x(a_row, k0, BK, FMT == 1)
+            acc += gemv_i8_block(FMT, w_rows, s_rows, xq, k0, n_ok, BK, ASM)[None, :]
+    elif BM == 1:  # decode: one route (route = block), K a multiple of BK
         a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
         for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
             acc += gemv_block(FMT, w_rows, s_rows, a_row, k0, n_ok, BK)[None, :]
@@ -214,6 +228,23 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
     if dot and f13 == f2 == 13 and bk == 256:
         return 64, 128, 256, 8
     return 64, 64, bk, 8
+
+
+def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
+              tiles: tuple[int, int, int, int] | None) -> tuple[int, int, int, bool] | None:
+    """(BN, BK, num_warps, True) of a decode kernel in int8 dots (gemv_i8.py) over K, or None
+    for the fp32 GEMV (format, activation dtype, the switch, or chunks that do not tile K).
+    `tiles` (BM, BN, BK, num_warps) overrides the choice, as for the fp32 GEMV (BK: at most,
+    halved until it tiles K: gate / up and down have different K's)."""
+    if not use_i8(fmt, dtype):
+        return None
+    # Measured on the H200 (bench_gpu_kernels.py --sweep F --sweep-tokens 1, one token, top-8):
+    # 16 rows, chunks up to 1024, 4 warps: 128 experts 2048 x 768 NVFP4 15.8 us a layer,
+    # Q4_K 20.0 (the fp32 GEMV: 28); 256 experts 2048 x 512 NVFP4 12.3 us.
+    bk = i8_chunk(fmt, k, 1024 if tiles is None else tiles[2])
+    if bk is None:
+        return None
+    return (16, bk, 4, True) if tiles is None else (tiles[1], bk, tiles[3], True)
 
 
 def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
@@ -310,9 +341,14 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                               gt, unroll)
     dot = _DOT.get(x.dtype, 0)
     bm, bn, bk, warps = tiles or _tiles(t, topk, bank, dot)
-    if bm == 1 and (h % bk or inter % bk):
-        raise ValueError(f"fused_moe: GEMV chunk BK={bk} must divide hidden {h} and "
-                         f"intermediate {inter}")
+    f13, f2 = format_id(bank.w13), format_id(bank.w2)
+    # (BN, BK, num_warps, int8) of each kernel: the int8 GEMV where its format and x allow
+    up = _i8_tiles(f13, h, x.dtype, tiles) if bm == 1 else None
+    down = _i8_tiles(f2, inter, x.dtype, tiles) if bm == 1 else None
+    up, down = up or (bn, bk, warps, False), down or (bn, bk, warps, False)
+    if bm == 1 and (h % up[1] or inter % down[1]):
+        raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
+                         f"{h} / intermediate {inter}")
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     if r == 0:
@@ -328,20 +364,20 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     scales = bank.scales.contiguous()
     rw = topk_weights.reshape(-1).contiguous()
     nb = block_slot.numel()
+    bn, bk, warps, i8 = up
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, w13, s13, scales, route_ids, block_slot, emap, a, r, x.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
-        FMT=format_id(bank.w13), DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
-        FAST=has_fast_tile(format_id(bank.w13), h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
-        MAP=mapped, num_warps=warps,
-        enable_fp_fusion=False)
+        FMT=f13, DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
+        FAST=has_fast_tile(f13, h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
+        MAP=mapped, I8=i8, ASM=asm(), num_warps=warps, enable_fp_fusion=False)
+    bn, bk, warps, i8 = down
     _down_kernel[(nb, triton.cdiv(h, bn))](
         a, w2, s2, scales, route_ids, block_slot, emap, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
-        FMT=format_id(bank.w2), DOT=dot, BM=bm, BN=bn, BK=bk,
-        FAST=has_fast_tile(format_id(bank.w2), inter, bk),
-        UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, num_warps=warps,
-        enable_fp_fusion=False)
+        FMT=f2, DOT=dot, BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(f2, inter, bk),
+        UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(),
+        num_warps=warps, enable_fp_fusion=False)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                    num_warps=4)

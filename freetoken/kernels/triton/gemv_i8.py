@@ -1,0 +1,244 @@
+"""Decode-shape dot products in int8, as llama.cpp's MMVQ computes them: the activation chunk is
+quantized to int8 per 32 values (q = floor(x * 127 / amax + 1/2), d = amax / 127, llama.cpp's
+q8_1 up to the rounding of ties), the weight codes are expanded to int8 in registers and
+multiplied four at a time by `dp4a` (int32 sums, exact); the block scales multiply the integer
+sums once per block in fp32.
+
+Why: the fp32 GEMV (`gemv.py`) spends some ten integer and float operations per weight value
+(nibble, bit pattern, conversion, FMA) and tops out at 500-765 GB/s on the H200, a sixth of HBM
+(bench_gpu_kernels.py --sweep). Here a 32-bit word of codes costs one to eleven operations for
+four to eight values:
+- NVFP4: the E2M1 codes of a word's low 16 bits are four prmt byte-selectors as they are stored
+  (k order: byte i holds k = 2i low, 2i + 1 high): one prmt gives the positive codes' int8
+  magnitudes (E2M1 doubled: 0, 1, 2, 3, 4, 6, 8, 12; the 1/2 goes into the fp32 epilogue), one
+  on the sign-flipped codes the negative codes', each multiplied by x or -x in a dp4a (five
+  operations for four values);
+- Q4_K: `w & 0x0F0F0F0F` and `(w >> 4) & 0x0F0F0F0F` are four codes of sub-blocks 2g and
+  2g + 1; the mins use the activation block's integer sum;
+- split Q8_0: the codes are the int8 values.
+
+The numbers differ from the fp32 path by the activation's quantization: each x_k moves by at
+most d_b / 2 (d_b = its block's amax / 127), so a dot moves by at most
+sum_b d_b / 2 * sum_{k in b} |w_k|, plus fp32 rounding of the block sums (tests state it).
+Activations in fp32 keep the fp32 path (`use_i8`): float32 runs are the exact reference.
+
+The PTX (`dp4a`, `prmt`) goes through `tl.inline_asm_elementwise`; Triton's interpreter cannot
+run inline assembly, so under `TRITON_INTERPRET=1` (`ASM` false) the same kernels compute each
+step with integer arithmetic instead (tests in CI), with the same results bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from freetoken import env
+from freetoken.kernels.triton.quant import _f16, _k4_scale_min
+
+I8_FORMATS = (1, 13, 18)  # NVFP4, Q4_K, split Q8_0
+
+
+def asm() -> bool:
+    """Whether kernels may use inline PTX (not under Triton's interpreter)."""
+    return os.environ.get("TRITON_INTERPRET", "") not in ("1", "true")
+
+
+def use_i8(fmt: int, x_dtype) -> bool:
+    """The int8 path for a decode launch: a format with int8 dots, a 16-bit activation (fp32
+    runs stay exact), FREETOKEN_GPU_INT8_DOT not 0."""
+    import torch  # the launchers' dtype; no torch import at module level
+
+    return fmt in I8_FORMATS and x_dtype in (torch.bfloat16, torch.float16) \
+        and env.gpu_int8_dot()
+
+
+def i8_chunk_ok(fmt: int, k: int, bk: int) -> bool:
+    """Whether chunks of BK values tile K for this format's int8 dot (Q4_K: whole
+    super-blocks)."""
+    return k % bk == 0 and bk % (256 if fmt == 13 else 32) == 0
+
+
+def i8_chunk(fmt: int, k: int, want: int) -> int | None:
+    """The widest power-of-two chunk up to `want` that tiles K, or None. The kernels unroll
+    their chunk loop (`tl.static_range`): every chunk's loads go out before the first chunk's
+    products wait on them, the memory parallelism a one-token GEMV lives on (measured on the
+    H200, bench_gpu_kernels.py --sweep)."""
+    bk = want
+    while bk >= 32 and not i8_chunk_ok(fmt, k, bk):
+        bk //= 2
+    return bk if bk >= 32 else None
+
+
+# -- integer helpers ------------------------------------------------------------------------------
+@triton.jit
+def _sbyte(v, i: tl.constexpr):
+    """Signed byte i of each int32."""
+    return (v << (24 - 8 * i)) >> 24
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + sum_i a.byte_i * b.byte_i, bytes signed, int32 (PTX dp4a.s32.s32)."""
+    if ASM:
+        r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = c + _sbyte(a, 0) * _sbyte(b, 0) + _sbyte(a, 1) * _sbyte(b, 1) \
+            + _sbyte(a, 2) * _sbyte(b, 2) + _sbyte(a, 3) * _sbyte(b, 3)
+    return r
+
+
+@triton.jit
+def _e2m1x2_int(c):
+    """E2M1 code (0..15) -> twice its value as an int (0, 1, 2, 3, 4, 6, 8, 12, negatives)."""
+    m = c & 7
+    v = tl.where(m < 4, m, tl.where(m < 6, 2 * m - 4, 4 * m - 16))
+    return tl.where(c >= 8, -v, v)
+
+
+@triton.jit
+def _e2m1_dot(w, xa, xb, na, nb, ASM: tl.constexpr):
+    """sum over the word's 8 E2M1 codes (k order) of 2 * value * x, x's int8 codes packed four
+    to a word (xa: k 0-3, xb: k 4-7; na, nb: the same negated), int32."""
+    if ASM:
+        # prmt's selector nibbles are the codes as stored: bits 0-2 pick a byte of the
+        # magnitudes {0, 1, 2, 3 | 4, 6, 8, 12}, bit 3 (the sign) replaces it by its sign
+        # byte, 0. So prmt(codes) holds the positive codes' magnitudes (0 where negative) and
+        # prmt(codes ^ 0x8888) the negative codes' (0 where positive): two dp4a, the second
+        # against -x, give the signed sum.
+        r = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, s, p, q, h;
+            mov.b32 t0, 0x03020100;
+            mov.b32 t1, 0x0C080604;
+            prmt.b32 p, t0, t1, $1;
+            xor.b32 s, $1, 0x8888;
+            prmt.b32 q, t0, t1, s;
+            dp4a.s32.s32 $0, p, $2, 0;
+            dp4a.s32.s32 $0, q, $4, $0;
+            shr.u32 h, $1, 16;
+            prmt.b32 p, t0, t1, h;
+            xor.b32 s, h, 0x8888;
+            prmt.b32 q, t0, t1, s;
+            dp4a.s32.s32 $0, p, $3, $0;
+            dp4a.s32.s32 $0, q, $5, $0;
+            }""",
+            "=r,r,r,r,r,r", [w, xa, xb, na, nb], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = _e2m1x2_int(w & 15) * _sbyte(xa, 0) + _e2m1x2_int((w >> 4) & 15) * _sbyte(xa, 1) \
+            + _e2m1x2_int((w >> 8) & 15) * _sbyte(xa, 2) \
+            + _e2m1x2_int((w >> 12) & 15) * _sbyte(xa, 3) \
+            + _e2m1x2_int((w >> 16) & 15) * _sbyte(xb, 0) \
+            + _e2m1x2_int((w >> 20) & 15) * _sbyte(xb, 1) \
+            + _e2m1x2_int((w >> 24) & 15) * _sbyte(xb, 2) \
+            + _e2m1x2_int((w >> 28) & 15) * _sbyte(xb, 3)
+    return r
+
+
+@triton.jit
+def _e4m3_div256(b):
+    """E4M3 (fn) byte -> its value times 2^-8, through the f16 bit pattern (the exponent field
+    moves as it is: biases 7 and 15 differ by 8; subnormals map to subnormals); NaN for
+    0x7F / 0xFF as torch decodes them."""
+    bits = ((b & 127) << 7) | ((b & 128) << 8)
+    v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.where((b & 127) == 127, float("nan"), v)
+
+
+# -- the activation chunk -------------------------------------------------------------------------
+@triton.jit
+def quant_x(x_row, k0, BK: tl.constexpr, NEG: tl.constexpr = False):
+    """x[k0 : k0 + BK] -> (codes: int32 [BK / 4], four int8 in k order per word; d: fp32
+    [BK / 32]; sums: int32 [BK / 32], each block's sum of codes; with NEG, the negated codes
+    packed alike (NVFP4's dot), else the codes again)."""
+    G: tl.constexpr = BK // 32
+    x = tl.reshape(tl.load(x_row + k0 + tl.arange(0, BK)).to(tl.float32), (G, 32))
+    amax = tl.max(tl.abs(x), axis=1)
+    safe = tl.where(amax > 0, amax, 1.0)  # an all-zero block: codes 0, d 0
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.full((G,), 127.0, tl.float32), safe), 0.0)
+    q = tl.floor(x * inv[:, None] + 0.5).to(tl.int32)  # [G, 32] in -127..127
+    sums = tl.sum(q, axis=1)
+    shift = (tl.arange(0, 4) * 8)[None, None, :]
+    words = tl.sum(tl.reshape(q & 255, (G, 8, 4)) << shift, axis=2)  # disjoint bits: an or
+    d = tl.math.div_rn(amax, tl.full((G,), 127.0, tl.float32))
+    neg = words
+    if NEG:
+        neg = tl.sum(tl.reshape((0 - q) & 255, (G, 8, 4)) << shift, axis=2)
+    return tl.reshape(words, (BK // 4,)), d, sums, tl.reshape(neg, (BK // 4,))
+
+
+# -- one format each: fp32 [BN] partial sums over k0 .. k0 + BK ---------------------------------
+@triton.jit
+def _nvfp4_i8(w_rows, s_rows, xw, xd, xn, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
+    BN: tl.constexpr = w_rows.shape[0]
+    w32 = w_rows.to(tl.pointer_type(tl.int32))  # a row's K / 2 bytes: K / 8 words
+    w = tl.load(w32 + k0 // 8 + tl.arange(0, BK // 8)[None, :], mask=n_ok[:, None], other=0)
+    xa, xb = tl.split(tl.reshape(xw, (BK // 8, 2)))  # words 2j, 2j + 1: weight word j's k
+    na, nb = tl.split(tl.reshape(xn, (BK // 8, 2)))
+    dots = _e2m1_dot(w, xa[None, :], xb[None, :], na[None, :], nb[None, :], ASM)  # [BN, BK/8]
+    blk = tl.sum(tl.reshape(dots, (BN, BK // 16, 2)), axis=2).to(tl.float32)
+    s = tl.load(s_rows + k0 // 16 + tl.arange(0, BK // 16)[None, :], mask=n_ok[:, None],
+                other=0).to(tl.int32)
+    part = tl.sum(tl.reshape(blk * _e4m3_div256(s), (BN, BK // 32, 2)), axis=2)
+    # 2^8 / 2 undoes the scales' 2^-8 and the doubled codes (exact)
+    return tl.sum(part * xd[None, :], axis=1) * 128.0
+
+
+@triton.jit
+def _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
+    """Super-block s of a chunk: 144 bytes (d, dmin, 12 scale bytes, 128 code bytes); code
+    word 8g + l (g < 4, l < 8) holds k = 64g + 4l .. + 3 (low nibbles, sub-block 2g) and the
+    same + 32 (high, sub-block 2g + 1)."""
+    BN: tl.constexpr = w_rows.shape[0]
+    S: tl.constexpr = BK // 256
+    blk = w_rows + (k0 // 256 + tl.arange(0, S))[None, :] * 144  # [BN, S]
+    m2 = n_ok[:, None]
+    q = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, :, None]
+                + tl.arange(0, 32)[None, None, :], mask=n_ok[:, None, None], other=0)
+    x4 = tl.permute(tl.reshape(xw, (S, 4, 2, 8)), (0, 1, 3, 2))  # [S, g, l, half]
+    x_lo, x_hi = tl.split(x4)  # [S, 4, 8]
+    d_lo = _dp4a(q & 0x0F0F0F0F, tl.reshape(x_lo, (S, 32))[None], 0, ASM)
+    d_hi = _dp4a((q >> 4) & 0x0F0F0F0F, tl.reshape(x_hi, (S, 32))[None], 0, ASM)
+    i_lo = tl.sum(tl.reshape(d_lo, (BN, S, 4, 8)), axis=3).to(tl.float32)  # [BN, S, 4]
+    i_hi = tl.sum(tl.reshape(d_hi, (BN, S, 4, 8)), axis=3).to(tl.float32)
+    xd_lo, xd_hi = tl.split(tl.reshape(xd, (S, 4, 2)))  # [S, 4]: sub-blocks 2g, 2g + 1
+    xs_lo, xs_hi = tl.split(tl.reshape(xs, (S, 4, 2)))
+    g = tl.arange(0, 4)[None, None, :]
+    sc = blk[:, :, None] + 4
+    m3 = n_ok[:, None, None]
+    sc_lo, mn_lo = _k4_scale_min(sc, 2 * g, m3)
+    sc_hi, mn_hi = _k4_scale_min(sc, 2 * g + 1, m3)
+    sums = tl.sum(sc_lo.to(tl.float32) * (i_lo * xd_lo[None])
+                  + sc_hi.to(tl.float32) * (i_hi * xd_hi[None]), axis=2)  # [BN, S]
+    mins = tl.sum(mn_lo.to(tl.float32) * (xs_lo.to(tl.float32) * xd_lo)[None]
+                  + mn_hi.to(tl.float32) * (xs_hi.to(tl.float32) * xd_hi)[None], axis=2)
+    return tl.sum(_f16(blk, m2) * sums - _f16(blk + 2, m2) * mins, axis=1)
+
+
+@triton.jit
+def _q8_0_split_i8(w_rows, s_rows, xw, xd, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
+    BN: tl.constexpr = w_rows.shape[0]
+    w32 = w_rows.to(tl.pointer_type(tl.int32))  # a row's K int8 codes: K / 4 words
+    w = tl.load(w32 + k0 // 4 + tl.arange(0, BK // 4)[None, :], mask=n_ok[:, None], other=0)
+    dots = _dp4a(w, xw[None, :], 0, ASM)
+    blk = tl.sum(tl.reshape(dots, (BN, BK // 32, 8)), axis=2).to(tl.float32)
+    d = tl.load(s_rows + k0 // 32 + tl.arange(0, BK // 32)[None, :], mask=n_ok[:, None],
+                other=0.0).to(tl.float32)
+    return tl.sum(blk * d * xd[None, :], axis=1)
+
+
+@triton.jit
+def gemv_i8_block(FMT: tl.constexpr, w_rows, s_rows, xq, k0, n_ok, BK: tl.constexpr,
+                  ASM: tl.constexpr):
+    """fp32 [BLOCK_N]: sum over k0 <= k < k0 + BK of W[n, k] x[k], `xq` what
+    `quant_x(x_row, k0, BK, FMT == 1)` returns."""
+    xw, xd, xs, xn = xq
+    if FMT == 1:
+        acc = _nvfp4_i8(w_rows, s_rows, xw, xd, xn, k0, n_ok, BK, ASM)
+    elif FMT == 13:
+        acc = _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK, ASM)
+    else:
+        acc = _q8_0_split_i8(w_rows, s_rows, xw, xd, k0, n_ok, BK, ASM)
+    return acc

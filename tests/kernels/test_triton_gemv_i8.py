@@ -1,0 +1,197 @@
+"""The int8-dot decode GEMV (`freetoken/kernels/triton/gemv_i8.py`) against float64 math.
+
+Two checks per format (NVFP4, Q4_K, split Q8_0), one bf16 token:
+1. it computes the quantized dot it claims: x quantized per 32 values as the module states
+   (q = floor(x * fp32(127 / amax) + 1/2), d = amax / 127), then sum_b d_b sum_k w_k q_k in
+   float64 from the codecs' weight values. Tolerance: the bf16 output's rounding, 2^-8 |y|, plus
+   1e-5 of sum_b d_b sum_k |w_k q_k| for the fp32 block sums and scale products (a few
+   roundings of eps = 2^-23 each per block; 1e-5 is ~80 eps). A code placed at a wrong k, a
+   wrong sign or scale, moves y by the order of that magnitude;
+2. it stays within the quantization's bound of the unquantized dot: each x_k moves by at most
+   d_b / 2, so |y - x.w| <= sum_b d_b / 2 sum_{k in b} |w_k| (+ the tolerance of 1).
+The fused MoE's decode kernels in int8 (x quantized for gate / up, the GLU output a for down)
+are checked the same way, stage by stage in float64: g, u from the quantized x (fp32 block sums:
+within E' = 1e-5 s sum |W| |x^| each), a = act(g) u (within E_a = 1.13 E'_g (|u| + E'_u) +
+|act(g)| E'_u; 1.13 bounds silu' and gelu_tanh'), a quantized per 32 as x is; where a * 127 /
+amax lies within E_a * 127 / amax + 1e-4 of a rounding tie the kernel's fp32 a may round the
+other way, so those codes may differ by one (d'_b |Wd| each); the output adds sum |Wd| E_a.
+
+Without CUDA the kernels run in Triton's interpreter with the integer emulation of dp4a / prmt
+(`ASM` false); with CUDA the PTX runs, at larger shapes. The interpreter casts fp32 to bf16 by
+truncation (up to one ulp, 2^-7 relative; 0.6% seen), so there the output term is 2^-7 |y|.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_cases as cases  # noqa: E402
+
+from freetoken.formats.dequant import dequantize  # noqa: E402
+from freetoken.kernels.triton.formats import split_q8_0  # noqa: E402
+from freetoken.kernels.triton.linear import triton_linear  # noqa: E402
+from freetoken.kernels.triton.moe import fused_moe_triton  # noqa: E402
+from freetoken.moe.banks import ExpertBank  # noqa: E402
+from freetoken.moe.reference import glu  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+N, K = (300, 4096) if CUDA else (16, 512)
+FORMATS = ["nvfp4", "Q4_K", "Q8_0"]
+BF16_OUT = 2.0**-8 if CUDA else 2.0**-7  # the output's rounding to bf16 (see the module doc)
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [..., K] -> (q fp32 [..., K] integers, d fp32 [..., K / 32]) as the kernel does."""
+    xb = x.reshape(*x.shape[:-1], -1, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.floor(xb * inv[..., None] + 0.5)
+    return q.reshape(x.shape), amax / 127.0
+
+
+def check_i8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s2: torch.Tensor | None = None,
+             out_round: float = BF16_OUT) -> None:
+    """y [M, N] (any dtype) against x [M, K] fp32 (the values the kernel read) and w [N, K]
+    fp32, scale2 `s2` (scalar or [N]) if any: checks 1 and 2 of the module doc."""
+    q, d = quantize_ref(x.double().float())
+    dk = d.double().repeat_interleave(32, -1)  # [M, K]
+    wd = w.double()
+    s = torch.ones(()) if s2 is None else s2.double()
+    want = ((q.double() * dk) @ wd.T) * s
+    mag = ((q.double().abs() * dk) @ wd.abs().T) * s.abs()
+    y = y.double().cpu()
+    tol = out_round * want.abs() + 1e-5 * mag + 1e-30
+    err = (y - want).abs()
+    assert bool((err <= tol).all()), \
+        f"quantized dot: max error / tolerance {float((err / tol).max()):.2f}"
+    exact = (x.double() @ wd.T) * s
+    bound = ((dk / 2) @ wd.abs().T) * s.abs() + tol
+    err = (y - exact).abs()
+    assert bool((err <= bound).all()), \
+        f"against x.w: max error / bound {float((err / bound).max()):.2f}"
+
+
+def _weight(fmt: str, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    qw = cases.random_weight(fmt, gen, N, K)
+    w = dequantize(qw)
+    qd = cases.to_device(qw, DEV)
+    if fmt == "Q8_0":
+        qd = split_q8_0(qd)  # the layout the loader gives Q8_0 on CUDA
+    return qd, w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_i8_gemv_matches_float64(fmt):
+    qd, w = _weight(fmt, 7 + len(fmt))
+    gen = torch.Generator().manual_seed(3)
+    for scale, dtype in ((1.0, torch.bfloat16), (1e-3, torch.bfloat16), (1.0, torch.float16)):
+        x = (torch.randn(1, K, generator=gen) * scale)
+        x[0, 5] = 40.0 * scale  # one outlier: its block's codes are coarse
+        x[0, 64:96] = 0.0  # an all-zero block: d = 0, no division by zero
+        xb = x.to(dtype)
+        tiles = None if CUDA else (1, 8, 256, 4)
+        y = triton_linear(xb.to(DEV), qd, tiles)
+        assert y.dtype == dtype
+        check_i8(y, xb.float(), w, out_round=BF16_OUT if dtype == torch.bfloat16 else 2.0**-11)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_i8_gemv_off_switch_is_the_fp32_path(fmt, monkeypatch):
+    """FREETOKEN_GPU_INT8_DOT=0 runs the fp32 GEMV: within the fp32-path bound of x.w, tighter
+    than the quantization's, and different bits from the int8 path."""
+    qd, w = _weight(fmt, 11 + len(fmt))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    y8 = triton_linear(x.to(DEV), qd).cpu()
+    monkeypatch.setenv("FREETOKEN_GPU_INT8_DOT", "0")
+    yf = triton_linear(x.to(DEV), qd).cpu()
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    assert bool(((yf.double() - ref).abs() <= BF16_OUT * ref.abs() + cases.fp32_bound(K, mag))
+                .all())
+    assert not torch.equal(y8, yf)
+
+
+def _moe_reference(x, bank, ids, rw, emap, act, down_i8=True):
+    """float64 (result [T, H], tolerance [T, H]) of the int8 MoE as the module doc states."""
+    w13, w2 = dequantize(bank.w13).double(), dequantize(bank.w2).double()
+    s = bank.scales.double()
+    inter = w2.shape[-1]
+    t_n, h = x.shape
+    ref, tol = (torch.zeros(t_n, h, dtype=torch.float64) for _ in range(2))
+    for t in range(t_n):
+        q, d = quantize_ref(x[t:t + 1].float())
+        xq = (q.double() * d.double().repeat_interleave(32, -1))[0]  # [H] x as quantized
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if emap[e] < 0:
+                continue
+            hh = w13[e] @ xq
+            g, u = hh[:inter] * s[e, 0], hh[inter:] * s[e, 1]
+            e13 = 1e-5 * (w13[e].abs() @ xq.abs())
+            eg, eu = e13[:inter] * s[e, 0], e13[inter:] * s[e, 1]
+            a = glu(g, u, act)
+            ea = 1.13 * eg * (u.abs() + eu) + glu(g, torch.ones_like(u), act).abs() * eu
+            qa, da = quantize_ref(a.float()[None])  # the codes of a as computed here
+            if not down_i8:  # the fp32 GEMV reads a as it is
+                qa, da = a.float()[None], torch.ones(1, inter // 32)
+            amax = a.abs().reshape(-1, 32).amax(-1).repeat_interleave(32)
+            inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+            v = a * inv
+            tie = ((v - torch.floor(v)) - 0.5).abs() <= ea * inv + 1e-4  # may round either way
+            tie = tie & down_i8
+            dak = da.double().repeat_interleave(32, -1)[0]
+            aq = qa.double()[0] * dak
+            r = float(rw[t, j]) * s[e, 2]
+            ref[t] += r * (w2[e] @ aq)
+            tol[t] += abs(r) * (w2[e].abs() @ (ea + tie * dak + 1e-5 * aq.abs()))
+    return ref, tol
+
+
+@pytest.mark.parametrize("f13,f2,act", [("nvfp4", "nvfp4", "silu"), ("Q4_K", "Q4_K", "gelu_tanh"),
+                                        ("Q8_0", "Q8_0", "silu"), ("Q4_K", "Q6_K", "silu")])
+def test_i8_fused_moe_decode_within_bound(f13, f2, act):
+    """The fused MoE at decode sizes (one and three tokens) in int8 dots, slots mapped (two
+    experts elsewhere: their rows add nothing), against the quantized computation in float64
+    (module doc). Q6_K down has no int8 dot: with it only gate / up run in int8, and the
+    reference's down reads a unquantized (tolerance: the fp32 GEMV's, 1e-5 of its sum)."""
+    e_n, topk = 8, 3
+    h, inter = (1024, 512) if CUDA else (256, 256)
+    gen = torch.Generator().manual_seed(len(f13) + len(f2))
+    scales = torch.ones(e_n, 4)
+    scales[:, :3] = torch.rand(e_n, 3, generator=gen) * 3e-2 + 1e-3
+    bank = ExpertBank(cases.random_weight(f13, gen, 2 * inter, h, (e_n,)),
+                      cases.random_weight(f2, gen, h, inter, (e_n,)), scales)
+    dev_bank = ExpertBank(cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV),
+                          bank.scales.to(DEV))
+    # the loader's layout for Q8_0 on CUDA (the int8 dot reads split Q8_0)
+    dev_bank = ExpertBank(*(split_q8_0(w) if f == "Q8_0" else w
+                            for w, f in ((dev_bank.w13, f13), (dev_bank.w2, f2))),
+                          dev_bank.scales)
+    emap = torch.arange(e_n, dtype=torch.int32)
+    emap[torch.tensor([2, 5])] = -1
+    for tokens in (1, 3):
+        x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(e_n, generator=gen)[:topk] for _ in range(tokens)])
+        rw = torch.softmax(torch.randn(tokens, topk, generator=gen), -1)
+        ref, tol = _moe_reference(x.float(), bank, ids, rw, emap, act, f2 != "Q6_K")
+        y = fused_moe_triton(x.to(DEV), dev_bank, ids.to(DEV), rw.to(DEV), act, emap.to(DEV),
+                             None if CUDA else (1, 8, 256, 4)).double().cpu()
+        tol = tol + BF16_OUT * ref.abs() + 1e-30
+        err = (y - ref).abs()
+        assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
