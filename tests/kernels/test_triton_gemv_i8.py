@@ -162,7 +162,7 @@ def _moe_reference(x, bank, ids, rw, emap, act, down_i8=True):
 @pytest.mark.parametrize("f13,f2,act", [("nvfp4", "nvfp4", "silu"), ("Q4_K", "Q4_K", "gelu_tanh"),
                                         ("Q8_0", "Q8_0", "silu"), ("Q4_K", "Q6_K", "silu")])
 def test_i8_fused_moe_decode_within_bound(f13, f2, act):
-    """The fused MoE at decode sizes (one and three tokens) in int8 dots, slots mapped (two
+    """The fused MoE at decode sizes (one and two tokens) in int8 dots, slots mapped (two
     experts elsewhere: their rows add nothing), against the quantized computation in float64
     (module doc). Q6_K down has no int8 dot: with it only gate / up run in int8, and the
     reference's down reads a unquantized (tolerance: the fp32 GEMV's, 1e-5 of its sum)."""
@@ -181,13 +181,13 @@ def test_i8_fused_moe_decode_within_bound(f13, f2, act):
                           dev_bank.scales)
     emap = torch.arange(e_n, dtype=torch.int32)
     emap[torch.tensor([2, 5])] = -1
-    for tokens in (1, 3):
+    for tokens in (1, 2):
         x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(e_n, generator=gen)[:topk] for _ in range(tokens)])
         rw = torch.softmax(torch.randn(tokens, topk, generator=gen), -1)
         ref, tol = _moe_reference(x.float(), bank, ids, rw, emap, act, f2 != "Q6_K")
         y = fused_moe_triton(x.to(DEV), dev_bank, ids.to(DEV), rw.to(DEV), act, emap.to(DEV),
-                             None if CUDA else (1, 8, 256, 4)).double().cpu()
+                             None if CUDA else (1, 16, 256, 4)).double().cpu()
         tol = tol + BF16_OUT * ref.abs() + 1e-30
         err = (y - ref).abs()
         assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
