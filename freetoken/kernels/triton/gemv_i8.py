@@ -47,11 +47,11 @@ def asm() -> bool:
 
 def use_i8(fmt: int, x_dtype) -> bool:
     """The int8 path for a decode launch: a format with int8 dots, a 16-bit activation (fp32
-    runs stay exact), FREETOKEN_GPU_INT8_DOT not 0."""
+    runs stay exact), FREETOKEN_GPU_INT8_DOT not 0, and not ROCm (the dots are PTX)."""
     import torch  # the launchers' dtype; no torch import at module level
 
     return fmt in I8_FORMATS and x_dtype in (torch.bfloat16, torch.float16) \
-        and env.gpu_int8_dot()
+        and env.gpu_int8_dot() and torch.version.hip is None
 
 
 def i8_chunk_ok(fmt: int, k: int, bk: int) -> bool:
