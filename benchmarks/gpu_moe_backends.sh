@@ -65,7 +65,7 @@ if [ "$mode" = quick ]; then
     tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
     tests/moe/test_prefill_stream.py tests/kernels/test_triton_gdn.py \
     tests/kernels/test_triton_glu.py tests/kernels/test_triton_moe.py \
-    -k "cuda or slot or handoff or plan or gdn or glu"
+    tests/kernels/test_triton_gemv_i8.py -k "cuda or slot or handoff or plan or gdn or glu or i8"
   decode() {  # decode NAME MODEL FORMAT BATCHES
     stage "$1" 200 python3 -m freetoken.cli bench decode --model "$2" --dummy-weights \
       --dummy-format "$3" --moe-backends cpu,hybrid --moe-cache-rates 0.1 --batch "$4" \
