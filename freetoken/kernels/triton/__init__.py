@@ -7,3 +7,11 @@
 
 Importing this package needs triton; `freetoken.kernels` imports it lazily, on CUDA tensors only.
 """
+
+import os
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1): no inline PTX,
+    no Python loop over a device value."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true")

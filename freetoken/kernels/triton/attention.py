@@ -20,11 +20,11 @@ sequence), reading K / V through the page table.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from freetoken.kernels.triton import interpreting
 
 # A finite "minus infinity": a fully masked block gives weight 0, never NaN.
 NEG = tl.constexpr(-1.0e30)
@@ -35,7 +35,7 @@ def _max_iters(keys: int, block: int) -> int:
     Triton's interpreter a runtime loop bound cannot be a Python index (numpy 2 refuses int()
     of a 1-element array), so there the loop runs a constexpr count of blocks covering `keys`
     and masks every key past the sequence."""
-    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not interpreting():
         return 0
     return max(1, triton.cdiv(keys, block))
 

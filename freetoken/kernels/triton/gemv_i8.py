@@ -29,20 +29,19 @@ step with integer arithmetic instead (tests in CI), with the same results bit fo
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from freetoken import env
-from freetoken.kernels.triton.quant import _f16, _k4_scale_min
+from freetoken.kernels.triton import interpreting
+from freetoken.kernels.triton.quant import _e2m1x2_int, _f16, _k4_scale_min
 
 I8_FORMATS = (1, 13, 18)  # NVFP4, Q4_K, split Q8_0
 
 
 def asm() -> bool:
     """Whether kernels may use inline PTX (not under Triton's interpreter)."""
-    return os.environ.get("TRITON_INTERPRET", "") not in ("1", "true")
+    return not interpreting()
 
 
 def use_i8(fmt: int, x_dtype) -> bool:
@@ -88,14 +87,6 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
         r = c + _sbyte(a, 0) * _sbyte(b, 0) + _sbyte(a, 1) * _sbyte(b, 1) \
             + _sbyte(a, 2) * _sbyte(b, 2) + _sbyte(a, 3) * _sbyte(b, 3)
     return r
-
-
-@triton.jit
-def _e2m1x2_int(c):
-    """E2M1 code (0..15) -> twice its value as an int (0, 1, 2, 3, 4, 6, 8, 12, negatives)."""
-    m = c & 7
-    v = tl.where(m < 4, m, tl.where(m < 6, 2 * m - 4, 4 * m - 16))
-    return tl.where(c >= 8, -v, v)
 
 
 @triton.jit
@@ -227,6 +218,18 @@ def _q8_0_split_i8(w_rows, s_rows, xw, xd, k0, n_ok, BK: tl.constexpr, ASM: tl.c
     d = tl.load(s_rows + k0 // 32 + tl.arange(0, BK // 32)[None, :], mask=n_ok[:, None],
                 other=0.0).to(tl.float32)
     return tl.sum(blk * d * xd[None, :], axis=1)
+
+
+@triton.jit
+def gemv_i8_row(FMT: tl.constexpr, w_rows, s_rows, x_row, n_ok, K: tl.constexpr,
+                BK: tl.constexpr, ASM: tl.constexpr):
+    """fp32 [BLOCK_N]: sum over k < K of W[n, k] x[k], x's chunks quantized in turn, the chunk
+    loop unrolled (`i8_chunk`)."""
+    acc = tl.zeros((w_rows.shape[0],), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        acc += gemv_i8_block(FMT, w_rows, s_rows, quant_x(x_row, k0, BK, FMT == 1), k0, n_ok,
+                             BK, ASM)
+    return acc
 
 
 @triton.jit

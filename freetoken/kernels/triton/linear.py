@@ -21,14 +21,7 @@ import triton.language as tl
 from freetoken.formats.qweight import QuantWeight
 from freetoken.kernels.triton.formats import F_Q8_0_SPLIT, format_id
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
-from freetoken.kernels.triton.gemv_i8 import (
-    asm,
-    gemv_i8_block,
-    i8_chunk,
-    i8_chunk_ok,
-    quant_x,
-    use_i8,
-)
+from freetoken.kernels.triton.gemv_i8 import asm, gemv_i8_row, i8_chunk, i8_chunk_ok, use_i8
 from freetoken.kernels.triton.quant import decode_tile
 from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
 
@@ -72,11 +65,9 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
     w_rows, s_rows = _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py), the chunks unrolled
+    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py)
         x_row = x_ptr + pid_m * stride_xm
-        for k0 in tl.static_range(0, K, BK):
-            xq = quant_x(x_row, k0, BK, FMT == 1)
-            acc += gemv_i8_block(FMT, w_rows, s_rows, xq, k0, n_ok, BK, ASM)[None, :]
+        acc += gemv_i8_row(FMT, w_rows, s_rows, x_row, n_ok, K, BK, ASM)[None, :]
     elif BM == 1:  # decode: K is a multiple of BK (the launcher's gemv_bk)
         for k0 in tl.range(0, K, BK):
             acc += gemv_block(FMT, w_rows, s_rows, x_ptr + pid_m * stride_xm, k0, n_ok,

@@ -35,7 +35,14 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
-from freetoken.kernels.triton.gemv_i8 import asm, gemv_i8_block, i8_chunk, quant_x, use_i8
+from freetoken.kernels.triton.gemv_i8 import (
+    asm,
+    gemv_i8_block,
+    gemv_i8_row,
+    i8_chunk,
+    quant_x,
+    use_i8,
+)
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
 from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, glu, grouped_expert_kernels
 from freetoken.kernels.triton.quant import decode_tile, format_id
@@ -143,11 +150,9 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                                FMT)
     a_rows = a_ptr + routes[:, None].to(tl.int64) * stride_am
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py), the chunks unrolled
+    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py)
         a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
-        for k0 in tl.static_range(0, K, BK):
-            xq = quant_x(a_row, k0, BK, FMT == 1)
-            acc += gemv_i8_block(FMT, w_rows, s_rows, xq, k0, n_ok, BK, ASM)[None, :]
+        acc += gemv_i8_row(FMT, w_rows, s_rows, a_row, n_ok, K, BK, ASM)[None, :]
     elif BM == 1:  # decode: one route (route = block), K a multiple of BK
         a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
         for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
@@ -194,11 +199,8 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, ids_ptr, map_ptr, route_w_
                                    s_ptr + slot.to(tl.int64) * stride_ss, rn, stride_wn,
                                    stride_sn, FMT)
         ok = n_ok & here
-        a_row = a_ptr + r.to(tl.int64) * stride_am
-        acc = tl.zeros((BN,), dtype=tl.float32)
-        for k0 in tl.static_range(0, K, BK):
-            acc += gemv_i8_block(FMT, w_rows, s_rows, quant_x(a_row, k0, BK, FMT == 1), k0, ok,
-                                 BK, ASM)
+        acc = gemv_i8_row(FMT, w_rows, s_rows, a_ptr + r.to(tl.int64) * stride_am, ok, K, BK,
+                          ASM)
         y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * tl.load(route_w_ptr + r).to(tl.float32)
         total += tl.where(here, y, 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + rn, total.to(out_ptr.dtype.element_ty),
@@ -418,7 +420,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         MAP=mapped, I8=i8, ASM=asm(), num_warps=warps, enable_fp_fusion=False)
     bn, bk, warps, i8 = down
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    if bm == 1 and i8 and bk == inter:  # decode, one chunk: down and the sum in one launch
+    if i8 and bk == inter:  # (int8 runs at decode only) one chunk: down + sum in one launch
         _down_sum_kernel[(t, triton.cdiv(h, bn))](
             a, w2, s2, scales, route_ids, emap, rw, out, a.stride(0), w2.stride(0),
             w2.stride(1), s2.stride(0), s2.stride(-2), out.stride(0), K=inter, HIDDEN=h,

@@ -79,11 +79,18 @@ def _ue4m3_half(b):
 
 
 @triton.jit
-def _kv_e2m1x2(c):
-    """ggml's doubled E2M1 table (0, 1, 2, 3, 4, 6, 8, 12, then negatives) as fp32."""
+def _e2m1x2_int(c):
+    """E2M1 code (0..15) -> twice its value as an int: ggml's doubled table (0, 1, 2, 3, 4, 6,
+    8, 12, then negatives)."""
     m = c & 7
     v = tl.where(m < 4, m, tl.where(m < 6, 2 * m - 4, 4 * m - 16))
-    return tl.where(c >= 8, -v, v).to(tl.float32)
+    return tl.where(c >= 8, -v, v)
+
+
+@triton.jit
+def _kv_e2m1x2(c):
+    """ggml's doubled E2M1 table as fp32."""
+    return _e2m1x2_int(c).to(tl.float32)
 
 
 # -- one function per format: fp32 [BLOCK_N, BLOCK_K] ---------------------------------------------
