@@ -58,6 +58,17 @@ def gpu_int8_dot() -> bool:
         "0", "false", "no", "off")
 
 
+def gpu_pdl() -> int:
+    """FREETOKEN_GPU_PDL=1: the GPU's decode kernels launch programmatically dependent
+    (`kernels/triton/pdl.py`: the next kernel launched while the one before it finishes,
+    waiting for its results; Hopper and later); `early`: launched as soon as all programs of
+    the one before have started (2). Default 0 (off): neither mode measured faster yet."""
+    v = os.environ.get("FREETOKEN_GPU_PDL", "").strip().lower()
+    if v == "early":
+        return 2
+    return 1 if v in ("1", "true", "yes", "on") else 0
+
+
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from freetoken.engine.context import ForwardContext
+from freetoken.kernels import xq
 from freetoken.kernels.cpu_kernels import cpu_attend_single
 
 
@@ -63,10 +64,15 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    stored: bool = False,
+    quantize: bool = False,
 ) -> torch.Tensor:
     """q [T, n_q, d], k/v [T, n_kv, d] -> out [T, n_q, d] (q's dtype).
 
-    Writes k/v into `cache` first, so a sequence's new tokens see each other.
+    Writes k/v into `cache` first, so a sequence's new tokens see each other (`stored`: the
+    caller wrote them already, `kernels.qk_rope_store`). `quantize`: the output feeds a
+    linear; a decode step on the GPU also quantizes it once for its int8 GEMV (`kernels.xq`;
+    `xq.view` keeps that through the reshape to [T, n_q d]).
     """
     n_q, n_kv = q.shape[1], k.shape[1]
     if cache.shape[-2:] != k.shape[-2:] or n_q % n_kv:
@@ -76,8 +82,9 @@ def paged_attention(
         )
     if q.is_cuda:
         return paged_attention_triton(q, k, v, cache, ctx, scale=scale, window=window,
-                                      softcap=softcap)
-    write_kv(cache, k, v, ctx.slot_mapping)
+                                      softcap=softcap, stored=stored, quantize=quantize)
+    if not stored:
+        write_kv(cache, k, v, ctx.slot_mapping)
     if ctx.is_decode:
         return _decode(q, cache, ctx, scale, window, softcap)
     cu, lens, _ = ctx.host_lists()
@@ -155,6 +162,8 @@ def paged_attention_triton(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    stored: bool = False,
+    quantize: bool = False,
 ) -> torch.Tensor:
     """The Triton path of `paged_attention` (also runs on CPU tensors under TRITON_INTERPRET=1).
 
@@ -164,10 +173,13 @@ def paged_attention_triton(
     if not cache.is_contiguous():
         raise ValueError("paged_attention: the KV cache must be contiguous "
                          "[2, pages, page_size, n_kv, d]")
-    tri.store_kv(cache, k, v, ctx.slot_mapping)
+    if not stored:
+        tri.store_kv(cache, k, v, ctx.slot_mapping)
     if ctx.is_decode:
-        return tri.decode(q, cache, ctx.page_table, ctx.seq_lens, scale=scale, window=window,
-                          softcap=softcap)
+        out, q8 = tri.decode(q, cache, ctx.page_table, ctx.seq_lens, scale=scale,
+                             window=window, softcap=softcap,
+                             quantize=quantize and xq.wanted(q.reshape(q.shape[0], -1)))
+        return xq.attach(out, q8)
     max_q = ctx.max_seqlen_q or int(q.shape[0])
     return tri.prefill(q, cache, ctx.page_table, ctx.cu_seqlens_q, ctx.seq_lens, max_q,
                        scale=scale, window=window, softcap=softcap)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.kernels import xq
 from freetoken.kernels.cpu_kernels import cpu_rms_norm
 
 
@@ -47,8 +48,10 @@ def _on_gpu(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D], weight fp32 [D] -> [..., D] in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool = False
+             ) -> torch.Tensor:
+    """x [..., D], weight fp32 [D] -> [..., D] in x's dtype. `quantize`: where an int8 GEMV
+    may read the result (`freetoken.kernels.xq`), the kernel also quantizes it, once."""
     _check(x, weight, None)
     if _cpu_f32(x, weight):
         r = cpu_rms_norm(x, weight, eps)
@@ -57,13 +60,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm_reference(x, weight, eps)
     from freetoken.kernels.triton.norm import rms_norm_triton  # lazy: needs triton
 
-    y, _ = rms_norm_triton(_rows(x), weight, eps)
-    return y.view(x.shape)
+    y, _, q = rms_norm_triton(_rows(x), weight, eps, quantize=quantize and xq.wanted(x))
+    return xq.attach(y.view(x.shape), q)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first.
+    `quantize` as for `rms_norm`."""
     _check(x, weight, residual)
     if _cpu_f32(x, weight):
         r = cpu_rms_norm(x, weight, eps, residual)
@@ -76,5 +80,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
         return rms_norm_reference(s, weight, eps), s
     from freetoken.kernels.triton.norm import rms_norm_triton
 
-    y, s = rms_norm_triton(_rows(x), weight, eps, _rows(residual))
-    return y.view(x.shape), s.view(x.shape)
+    y, s, q = rms_norm_triton(_rows(x), weight, eps, _rows(residual),
+                              quantize=quantize and xq.wanted(x))
+    return xq.attach(y.view(x.shape), q), s.view(x.shape)

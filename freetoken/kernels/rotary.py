@@ -81,3 +81,23 @@ def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
             return qk[:, :hq], qk[:, hq:]
         return _rotary_cpu_f32(q, cos, sin), _rotary_cpu_f32(k, cos, sin)
     return rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+
+
+def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, eps: float, cache: torch.Tensor,
+                  slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`qk_rope`, and on the GPU the rotated k and v written into the KV cache (`cache`
+    [2, pages, page_size, Hkv, d], flat `slots` [T], negative = padding) in the same launch:
+    (q', k', stored). `stored` False: the cache is untouched (the caller's paged_attention
+    stores k' and v, as it always did)."""
+    _check(q, k, cos, sin, q_weight, k_weight)
+    if (_on_gpu(q, k, cos, sin, (q_weight, k_weight)) and v.is_cuda and v.stride(-1) == 1
+            and v.shape == k.shape and cache.is_cuda and cache.is_contiguous()
+            and cache.shape[-2:] == k.shape[-2:] and slots.is_cuda):
+        from freetoken.kernels.triton.rotary import qk_rope_triton  # lazy: needs triton
+
+        q, k = qk_rope_triton(q, k, cos, sin, q_weight, k_weight, eps, (v, cache, slots))
+        return q, k, True
+    q, k = qk_rope(q, k, cos, sin, q_weight, k_weight, eps)
+    return q, k, False

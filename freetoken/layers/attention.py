@@ -61,10 +61,12 @@ class Attention(nn.Module):
         q = q.reshape(-1, s.num_heads, s.head_dim)  # [T, Hq, d]
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, d]
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        # q/k norm and rotary: one launch for both on the GPU (kernels/triton/rotary.py)
-        q, k = kernels.qk_rope(q, k, *rope, *norms, eps=s.norm_eps)
+        # q/k norm, rotary and the KV cache write: one launch on the GPU (kernels/triton/rotary.py)
+        cache = ctx.kv_caches[self.layer_id]
+        q, k, stored = kernels.qk_rope_store(q, k, v, *rope, *norms, s.norm_eps, cache,
+                                             ctx.slot_mapping)
         o = kernels.paged_attention(
-            q, k, v, ctx.kv_caches[self.layer_id], ctx,
-            scale=s.scale, window=s.window, softcap=s.softcap,
+            q, k, v, cache, ctx, scale=s.scale, window=s.window, softcap=s.softcap,
+            stored=stored, quantize=True,  # for o_proj's int8 GEMV, where it runs one
         )
-        return self.o_proj(o.reshape(-1, s.num_heads * s.head_dim))
+        return self.o_proj(kernels.xq.view(o.contiguous(), -1, s.num_heads * s.head_dim))

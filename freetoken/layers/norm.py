@@ -18,12 +18,13 @@ class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * w over the last dimension.
 
     plus_one: the architecture defines the scale as `1 + w` (gemma); `load` adds the 1 unless
-    the checkpoint stored it already.
+    the checkpoint stored it already. quantize: the output goes straight into linears / the
+    MoE, so the GPU kernel also quantizes it once for their int8 GEMVs (`kernels.xq`).
     """
 
-    def __init__(self, dim: int, eps: float, plus_one: bool = False):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False, quantize: bool = False):
         super().__init__()
-        self.dim, self.eps, self.plus_one = dim, eps, plus_one
+        self.dim, self.eps, self.plus_one, self.quantize = dim, eps, plus_one, quantize
         self.register_buffer("weight", torch.ones(dim), persistent=False)
 
     def load(self, w: torch.Tensor, *, stored_plus_one: bool = False, name: str = "") -> None:
@@ -36,10 +37,10 @@ class RMSNorm(nn.Module):
         self.weight = self.weight.to(device=device, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.rms_norm(x, self.weight, self.eps, self.quantize)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm decoder's residual step (one
         launch on the GPU; the sum is rounded to x's dtype first, as `x + residual` is)."""
-        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps, self.quantize)

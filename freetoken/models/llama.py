@@ -21,8 +21,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(attention_spec(cfg, layer, qk_norm=qk_norm), layer)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, HF_ACT[cfg.hidden_act])
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # both norms feed linears / the MoE directly: quantized once for their int8 GEMVs
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, quantize=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                quantize=True)
 
     def forward(
         self,

@@ -117,9 +117,33 @@ def test_decode_split_k_matches_unsplit():
     ref = paged_attention(q, zero, zero, cache, ctx, scale=0.2)  # writes the zero rows
     cache, q, table, lens = (t.to(DEV) for t in (cache, q, ctx.page_table, ctx.seq_lens))
     for splits in (1, 3):
-        out = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
-                         splits=splits)
+        out, _ = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
+                            splits=splits)
         close_fp32(out.cpu(), ref)
+
+
+def test_decode_quantized_output():
+    """With `quantize`, decode also stores its bf16 output quantized for the output
+    projection's int8 GEMV: exactly the quantization of the stored output, rows of all query
+    heads in order (one split: the query heads of a KV head per program, G = 2 of a 16-row
+    tile; three splits: the merge kernel, one head per program); the output itself unchanged."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import triton_cases as cases
+
+    from freetoken.kernels.triton import attention as tri
+
+    gen = torch.Generator().manual_seed(4)
+    ctx = make_ctx([149, 39], [1, 1], 16, 14, "cpu", gen)
+    cache = torch.randn(2, 14, 16, 2, 32, generator=gen).to(torch.bfloat16)
+    q = torch.randn(2, 4, 32, generator=gen).to(torch.bfloat16)
+    cache, q, table, lens = (t.to(DEV) for t in (cache, q, ctx.page_table, ctx.seq_lens))
+    for splits in (1, 3):
+        plain, none = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
+                                 splits=splits)
+        out, q8 = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
+                             splits=splits, quantize=True)
+        assert none is None and torch.equal(out, plain)
+        cases.check_codes(q8, out.reshape(2, -1))
 
 
 def test_num_splits_few_variants():

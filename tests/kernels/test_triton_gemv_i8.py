@@ -37,10 +37,14 @@ import pytest  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 import triton_cases as cases  # noqa: E402
 
+from freetoken import kernels  # noqa: E402
 from freetoken.formats.dequant import dequantize  # noqa: E402
+from freetoken.kernels import xq  # noqa: E402
 from freetoken.kernels.triton.formats import split_q8_0  # noqa: E402
+from freetoken.kernels.triton.gemv_i8 import xq_len  # noqa: E402
 from freetoken.kernels.triton.linear import triton_linear  # noqa: E402
 from freetoken.kernels.triton.moe import fused_moe_triton  # noqa: E402
+from freetoken.kernels.triton.norm import rms_norm_triton  # noqa: E402
 from freetoken.moe.banks import ExpertBank  # noqa: E402
 from freetoken.moe.reference import glu  # noqa: E402
 
@@ -51,20 +55,11 @@ FORMATS = ["nvfp4", "Q4_K", "Q8_0"]
 BF16_OUT = 2.0**-8 if CUDA else 2.0**-7  # the output's rounding to bf16 (see the module doc)
 
 
-def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x fp32 [..., K] -> (q fp32 [..., K] integers, d fp32 [..., K / 32]) as the kernel does."""
-    xb = x.reshape(*x.shape[:-1], -1, 32)
-    amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    q = torch.floor(xb * inv[..., None] + 0.5)
-    return q.reshape(x.shape), amax / 127.0
-
-
 def check_i8(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
              out_round: float = BF16_OUT) -> None:
     """y [M, N] (any dtype) against x [M, K] fp32 (the values the kernel read) and w [N, K]
     fp32: checks 1 and 2 of the module doc."""
-    q, d = quantize_ref(x.double().float())
+    q, d = cases.quantize_ref(x.double().float())
     dk = d.double().repeat_interleave(32, -1)  # [M, K]
     wd = w.double()
     want = (q.double() * dk) @ wd.T
@@ -130,7 +125,7 @@ def _moe_reference(x, bank, ids, rw, emap, act, down_i8=True):
     t_n, h = x.shape
     ref, tol = (torch.zeros(t_n, h, dtype=torch.float64) for _ in range(2))
     for t in range(t_n):
-        q, d = quantize_ref(x[t:t + 1].float())
+        q, d = cases.quantize_ref(x[t:t + 1].float())
         xq = (q.double() * d.double().repeat_interleave(32, -1))[0]  # [H] x as quantized
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
@@ -142,7 +137,7 @@ def _moe_reference(x, bank, ids, rw, emap, act, down_i8=True):
             eg, eu = e13[:inter] * s[e, 0], e13[inter:] * s[e, 1]
             a = glu(g, u, act)
             ea = 1.13 * eg * (u.abs() + eu) + glu(g, torch.ones_like(u), act).abs() * eu
-            qa, da = quantize_ref(a.float()[None])  # the codes of a as computed here
+            qa, da = cases.quantize_ref(a.float()[None])  # the codes of a as computed here
             if not down_i8:  # the fp32 GEMV reads a as it is
                 qa, da = a.float()[None], torch.ones(1, inter // 32)
             amax = a.abs().reshape(-1, 32).amax(-1).repeat_interleave(32)
@@ -163,7 +158,8 @@ def _moe_reference(x, bank, ids, rw, emap, act, down_i8=True):
 def test_i8_fused_moe_decode_within_bound(f13, f2, act):
     """The fused MoE at decode sizes (one and two tokens) in int8 dots, slots mapped (two
     experts elsewhere: their rows add nothing), against the quantized computation in float64
-    (module doc). Q6_K down has no int8 dot: with it only gate / up run in int8, and the
+    (module doc); one token through the per-route down kernel and the sum, two through the
+    down-and-sum kernel. Q6_K down has no int8 dot: with it only gate / up run in int8, and the
     reference's down reads a unquantized (tolerance: the fp32 GEMV's, 1e-5 of its sum)."""
     e_n, topk = 8, 3
     h, inter = (1024, 512) if CUDA else (256, 256)
@@ -186,10 +182,143 @@ def test_i8_fused_moe_decode_within_bound(f13, f2, act):
         rw = torch.softmax(torch.randn(tokens, topk, generator=gen), -1)
         ref, tol = _moe_reference(x.float(), bank, ids, rw, emap, act, f2 != "Q6_K")
         y = fused_moe_triton(x.to(DEV), dev_bank, ids.to(DEV), rw.to(DEV), act, emap.to(DEV),
-                             None if CUDA else (1, 16, 256, 4)).double().cpu()
+                             None if CUDA else (1, 16, 256, 4),
+                             down_sum=tokens == 2).double().cpu()  # both down kernels
         tol = tol + BF16_OUT * ref.abs() + 1e-30
         err = (y - ref).abs()
         assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
+
+
+# -- activations quantized once, by the RMSNorm that produces them (kernels/xq.py) ----------------
+def _norm_quantized(x: torch.Tensor, eps: float = 1e-6):
+    """rms_norm of x on DEV with the codes the kernel wrote, attached as kernels.norm does on
+    CUDA (there through kernels.rms_norm itself)."""
+    w = torch.rand(x.shape[-1], generator=torch.Generator().manual_seed(1)) + 0.5
+    if CUDA:
+        y = kernels.rms_norm(x.to(DEV), w.to(DEV), eps, quantize=True)
+        q = xq.attached(y)
+        assert q is not None, "kernels.rms_norm(quantize=True) attached no codes on CUDA"
+        return y, q
+    y, _, q = rms_norm_triton(x.to(DEV), w.to(DEV), eps, quantize=True)
+    return xq.attach(y, q), q
+
+
+@pytest.mark.parametrize("width", [512, 96])
+def test_quant_store_matches_the_quantizer(width):
+    """The codes RMSNorm writes are the module's quantization of its own (stored) output, bit
+    for bit: codes, negated codes, block scales d = amax / 127 and block sums (96: a width
+    that is not a power of two, masked tail)."""
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    x[1, 32:64] = 0.0  # an all-zero block
+    y, q = _norm_quantized(x)
+    assert tuple(q.shape) == (3, xq_len(width))
+    cases.check_codes(q, y)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_reads_the_attached_codes(fmt):
+    """A linear given the norm's output with its codes computes the same bits as one that
+    quantizes for itself (same codes, same sums in the same order), at 1 and 4 tokens; a copy
+    of the tensor (no codes) takes the own-quantization path."""
+    qd, _ = _weight(fmt, 17 + len(fmt))
+    tiles = None if CUDA else (1, 8, 256, 4)
+    for m in (1, 4):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+        y, _ = _norm_quantized(x)
+        plain = y.clone()
+        assert xq.attached(plain) is None and xq.attached(y[:1]) is None
+        assert torch.equal(triton_linear(y, qd, tiles).cpu(), triton_linear(plain, qd, tiles).cpu())
+
+
+@pytest.mark.parametrize("f13", ["nvfp4", "Q4_K"])
+def test_fused_moe_reads_the_attached_codes(f13):
+    """The fused MoE's gate/up at decode sizes reads the attached codes: the same bits as
+    quantizing in every program."""
+    e_n, topk, h, inter = 8, 3, 512, 256
+    gen = torch.Generator().manual_seed(9)
+    bank = ExpertBank(cases.to_device(cases.random_weight(f13, gen, 2 * inter, h, (e_n,)), DEV),
+                      cases.to_device(cases.random_weight(f13, gen, h, inter, (e_n,)), DEV),
+                      (torch.rand(e_n, 4, generator=gen) * 3e-2 + 1e-3).to(DEV))
+    tiles = None if CUDA else (1, 16, 256, 4)
+    for tokens in (1, 2):
+        x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+        y, _ = _norm_quantized(x)
+        ids = torch.stack([torch.randperm(e_n, generator=gen)[:topk]
+                           for _ in range(tokens)]).to(DEV)
+        rw = torch.softmax(torch.randn(tokens, topk, generator=gen), -1).to(DEV)
+        got = fused_moe_triton(y, bank, ids, rw, "silu", None, tiles)
+        want = fused_moe_triton(y.clone(), bank, ids, rw, "silu", None, tiles)
+        assert torch.equal(got.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("f13,f2", [("nvfp4", "nvfp4"), ("Q4_K", "Q8_0")])
+def test_fused_moe_quantized_glu_output(f13, f2):
+    """gate/up storing the GLU output as codes (`quant_a`) gives the same bits as the down
+    programs quantizing it themselves: the codes are the same function of the same fp32 a.
+    Row blocks of 32 both ways (the codes' blocks), slots mapped with one expert elsewhere;
+    FFN 256 (one chunk: the down-and-sum kernel) and 512 (per-route down, then the sum)."""
+    e_n, topk, h = 8, 3, 256
+    inter = 256 if f13 == "nvfp4" else 512
+    gen = torch.Generator().manual_seed(4)
+    bank = ExpertBank(cases.to_device(cases.random_weight(f13, gen, 2 * inter, h, (e_n,)), DEV),
+                      cases.to_device(cases.random_weight(f2, gen, h, inter, (e_n,)), DEV),
+                      (torch.rand(e_n, 4, generator=gen) * 3e-2 + 1e-3).to(DEV))
+    if f2 == "Q8_0":
+        bank = ExpertBank(bank.w13, split_q8_0(bank.w2), bank.scales)
+    emap = torch.arange(e_n, dtype=torch.int32)
+    emap[3] = -1
+    tiles = (1, 32, 256, 4)
+    for tokens in (1, 3):
+        x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16).to(DEV)
+        ids = torch.stack([torch.randperm(e_n, generator=gen)[:topk]
+                           for _ in range(tokens)]).to(DEV)
+        rw = torch.softmax(torch.randn(tokens, topk, generator=gen), -1).to(DEV)
+        got, want = (fused_moe_triton(x, bank, ids, rw, "silu", emap.to(DEV), tiles,
+                                      quant_a=qa, down_sum=inter == 256).cpu()
+                     for qa in (True, False))
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("value,mode", [("", 0), ("0", 0), ("1", 1), ("on", 1), ("early", 2)])
+def test_pdl_switch(value, mode, monkeypatch):
+    """FREETOKEN_GPU_PDL: off unless asked; never on where kernels cannot run it (here: the
+    interpreter, or a CPU-only machine)."""
+    from freetoken import env
+    from freetoken.kernels.triton import pdl
+
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", value)
+    assert env.gpu_pdl() == mode
+    opts = pdl.opts()
+    assert opts["launch_pdl"] == (opts["PDL"] > 0)
+    if not CUDA or mode == 0:
+        assert opts == {"PDL": 0, "launch_pdl": False}
+
+
+@pytest.mark.skipif(not CUDA, reason="programmatic dependent launch runs on the GPU only")
+@pytest.mark.parametrize("value", ["1", "early"])
+def test_pdl_same_bits(value, monkeypatch):
+    """A chain of decode kernels (norm writing codes, a linear and the fused MoE reading them,
+    the MoE's gate/up, down and sum) gives the same bits launched programmatically dependent
+    as one after the other: every kernel waits for the one before it."""
+    gen = torch.Generator().manual_seed(8)
+    qd, _ = _weight("nvfp4", 5)
+    bank = ExpertBank(cases.to_device(cases.random_weight("nvfp4", gen, 512, K, (8,)), DEV),
+                      cases.to_device(cases.random_weight("nvfp4", gen, K, 256, (8,)), DEV),
+                      (torch.rand(8, 4, generator=gen) * 3e-2 + 1e-3).to(DEV))
+    x = torch.randn(2, K, generator=gen).to(torch.bfloat16).to(DEV)
+    w = (torch.rand(K, generator=gen) + 0.5).to(DEV)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(2)]).to(DEV)
+    rw = torch.softmax(torch.randn(2, 3, generator=gen), -1).to(DEV)
+
+    def chain():
+        h = kernels.rms_norm(x, w, 1e-6, quantize=True)
+        return h, triton_linear(h, qd), fused_moe_triton(h, bank, ids, rw, "silu")
+
+    want = chain()
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", value)
+    got = chain()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 if __name__ == "__main__":

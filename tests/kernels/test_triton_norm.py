@@ -58,7 +58,7 @@ def test_rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + d)
     x = (torch.randn(n, d, generator=gen) * 3).to(dtype)
     w = torch.rand(d, generator=gen) + 0.5
-    y, s = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-6)
+    y, s, _ = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-6)
     assert s is None and y.dtype == dtype and y.shape == (n, d)
     _close(y.cpu(), _ref64(x, w, 1e-6), dtype)
 
@@ -69,7 +69,7 @@ def test_add_rms_norm(dtype: torch.dtype) -> None:
     n, d = 4, 160
     x, r = (torch.randn(n, d, generator=gen).to(dtype) for _ in range(2))
     w = torch.rand(d, generator=gen) + 0.5
-    y, s = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-5, r.to(DEV))
+    y, s, _ = rms_norm_triton(x.to(DEV), w.to(DEV), 1e-5, r.to(DEV))
     _same_sum(s.cpu(), x, r)
     _close(y.cpu(), _ref64(x + r, w, 1e-5), dtype)
 
@@ -79,7 +79,7 @@ def test_strided_rows() -> None:
     gen = torch.Generator().manual_seed(3)
     wide = torch.randn(3, 200, generator=gen)
     w = torch.rand(64, generator=gen)
-    y, _ = rms_norm_triton(wide[:, 8:72].to(DEV), w.to(DEV), 1e-6)
+    y, _, _ = rms_norm_triton(wide[:, 8:72].to(DEV), w.to(DEV), 1e-6)
     _close(y.cpu(), _ref64(wide[:, 8:72], w, 1e-6), torch.float32)
 
 

@@ -98,3 +98,25 @@ def test_entry_cuda(dtype: torch.dtype) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_rope_stores_kv(dtype: torch.dtype) -> None:
+    """With the KV cache given, the same launch writes the rotated k and v into it, bit for
+    bit what the separate store kernel writes from its outputs; a negative slot (a padded
+    row) writes nothing; q' and k' are what the plain call returns."""
+    from freetoken.kernels.triton.attention import store_kv
+
+    t, hq, hkv, d, pages, page = 3, 4, 2, 32, 4, 4
+    q, k, cos, sin, (wq, wk) = _case(t, hq, hkv, d, dtype, True, seed=5)
+    v = (torch.randn(t, hkv, d, generator=torch.Generator().manual_seed(6)) * 2).to(dtype)
+    slots = torch.tensor([5, -1, 13])
+    args = [x.to(DEV) for x in (q, k, cos, sin, wq, wk)]
+    cache = torch.full((2, pages, page, hkv, d), 7.0, dtype=dtype, device=DEV)
+    qo, ko = qk_rope_triton(*args, 1e-6, (v.to(DEV), cache, slots.to(DEV)))
+    q2, k2 = qk_rope_triton(*args, 1e-6)
+    assert torch.equal(qo, q2) and torch.equal(ko, k2)
+    want = torch.full_like(cache, 7.0)
+    store_kv(want, k2, v.to(DEV), slots.to(DEV))
+    assert torch.equal(cache.cpu(), want.cpu())
+    assert bool((cache.view(2, -1, hkv, d)[:, [0, 1, 2, 3, 4, 6]] == 7.0).all())

@@ -68,3 +68,32 @@ def bf16_bound(mag: torch.Tensor) -> torch.Tensor:
     """bf16 tensor-core dots: each weight rounded to bf16 (2^-9 relative), the output rounded
     to bf16 (2^-9 of |y| <= sum |x||w|): 2^-8 * sum |x||w|, doubled for margin."""
     return 2.0**-7 * mag + 1e-30
+
+
+def quantize_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 GEMVs' activation quantization (kernels/triton/gemv_i8.py) in torch: x fp32
+    [..., K] -> (q fp32 [..., K] integers, d fp32 [..., K / 32]); q = floor(x * fp32(127 /
+    amax) + 1/2), d = amax / 127, both divisions rounded once (IEEE), no fused multiply-add."""
+    xb = x.reshape(*x.shape[:-1], -1, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.floor(xb * inv[..., None] + 0.5)
+    return q.reshape(x.shape), amax / 127.0
+
+
+def check_codes(q: torch.Tensor, y: torch.Tensor) -> None:
+    """Rows of codes q (int32 [M, xq_len(K)], gemv_i8.quant_store's layout) are exactly the
+    quantization of y [M, K] (the values as stored): codes, negated codes, block scales and
+    block sums."""
+    m, k = y.shape
+    q = q.cpu()
+    assert tuple(q.shape) == (m, k // 2 + k // 16)
+    want_q, want_d = quantize_ref(y.float().cpu())
+    codes = q[:, :k // 4].contiguous().view(torch.int8).float()
+    neg = q[:, k // 4:k // 2].contiguous().view(torch.int8).float()
+    d = q[:, k // 2:k // 2 + k // 32].contiguous().view(torch.float32)
+    sums = q[:, k // 2 + k // 32:]
+    assert torch.equal(codes, want_q), "codes"
+    assert torch.equal(neg, -want_q), "negated codes"
+    assert torch.equal(d, want_d), "block scales"
+    assert torch.equal(sums.float(), want_q.reshape(m, -1, 32).sum(-1)), "block sums"

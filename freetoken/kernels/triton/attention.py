@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton import interpreting
+from freetoken.kernels.triton import interpreting, pdl
+from freetoken.kernels.triton.gemv_i8 import quant_tile, xq_len
+from freetoken.kernels.triton.pdl import wait
 
 # A finite "minus infinity": a fully masked block gives weight 0, never NaN.
 NEG = tl.constexpr(-1.0e30)
@@ -52,8 +54,9 @@ def _softcap(s, cap):
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, stride_kt, stride_kh, stride_vt,
                      stride_vh, v_plane, D: tl.constexpr, N_KV: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """One program per new token: its K and V rows into flat slot `slot` (< 0: padding)."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -98,12 +101,16 @@ def _attend_block(q, acc, m, den, cache_ptr, v_plane, table_row, j, jmask, smask
 
 
 @triton.jit
-def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, stride_qt,
-                   stride_qh, stride_ot, stride_oh, stride_table, v_plane, scale,
-                   softcap, window, PAGE: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
-                   D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, q8_ptr,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_q8, v_plane,
+                   scale, softcap, window, PAGE: tl.constexpr, N_KV: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr,
+                   QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """QUANT (D = D_PAD, a multiple of 32): the output rows are also stored quantized for the
+    output projection's int8 GEMV (`gemv_i8.quant_tile`, rows of `xq_len(Hq D)` at q8)."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     first = 0
@@ -136,6 +143,9 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
         out = acc / tl.maximum(den, 1e-30)[:, None]
         dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qm)
+        if QUANT:
+            quant_tile(out.to(out_ptr.dtype.element_ty).to(tl.float32),
+                       q8_ptr + b.to(tl.int64) * stride_q8, kvh * G * D, gmask, N_KV * G * D)
     else:  # partials [B, Hq, NUM_SPLITS, D_PAD + 2]: acc, then m, then den
         row = (b * (N_KV * G) + heads) * NUM_SPLITS + split
         base = part_ptr + row.to(tl.int64) * (D_PAD + 2)
@@ -145,9 +155,12 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
 
 
 @triton.jit
-def _merge_kernel(part_ptr, out_ptr, stride_ot, stride_oh, H: tl.constexpr, D: tl.constexpr,
-                  D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
-    """One program per (sequence, query head): softmax-weighted sum of its splits."""
+def _merge_kernel(part_ptr, out_ptr, q8_ptr, stride_ot, stride_oh, stride_q8, H: tl.constexpr,
+                  D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  S_PAD: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One program per (sequence, query head): softmax-weighted sum of its splits (QUANT: also
+    quantized, as `_decode_kernel` stores it)."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
     dims = tl.arange(0, D_PAD)
@@ -160,6 +173,9 @@ def _merge_kernel(part_ptr, out_ptr, stride_ot, stride_oh, H: tl.constexpr, D: t
     out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(den * w, 0), 1e-30)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < D)
+    if QUANT:
+        quant_tile(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), (1, D_PAD)),
+                   q8_ptr + b.to(tl.int64) * stride_q8, h * D, tl.arange(0, 1) < 1, H * D)
 
 
 @triton.jit
@@ -168,7 +184,9 @@ def _prefill_kernel(q_ptr, cache_ptr, table_ptr, cu_ptr, seq_lens_ptr, out_ptr, 
                     window, PAGE: tl.constexpr, N_KV: tl.constexpr, D: tl.constexpr,
                     D_PAD: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr):
+                    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    wait(PDL)  # pdl.py: the kernel before has completed
     mblk, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_lo = tl.load(cu_ptr + b)
     n_q = tl.load(cu_ptr + b + 1) - q_lo
@@ -237,7 +255,7 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     if k.shape[0]:
         _store_kv_kernel[(k.shape[0],)](
             k, v, cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cache[1].numel(), D=d, N_KV=n_kv, BLOCK=_pow2(n_kv * d))
+            cache[1].numel(), D=d, N_KV=n_kv, BLOCK=_pow2(n_kv * d), **pdl.opts())
 
 
 def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
@@ -253,8 +271,11 @@ def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
 
 def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, *, scale: float, window: int | None,
-           softcap: float | None, splits: int | None = None) -> torch.Tensor:
-    """One query per sequence: q [B, n_q, d] at position seq_lens - 1 -> out [B, n_q, d]."""
+           softcap: float | None, splits: int | None = None, quantize: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query per sequence: q [B, n_q, d] at position seq_lens - 1 -> (out [B, n_q, d],
+    with `quantize` and d a power of two from 32 on: out quantized for the output
+    projection's int8 GEMV [B, xq_len(n_q d)], else None)."""
     q = _rows(q)
     bsz, n_q, d = q.shape
     n_kv, page = cache.shape[-2], cache.shape[2]
@@ -266,17 +287,23 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     splits = splits or num_splits(bsz, n_kv, max_ctx, block_n)
     part = (torch.empty(bsz, n_q, splits, d_pad + 2, dtype=torch.float32, device=q.device)
             if splits > 1 else out)
+    quantize = quantize and d == d_pad and d % 32 == 0
+    q8 = torch.empty(bsz, xq_len(n_q * d), dtype=torch.int32, device=q.device) \
+        if quantize else out
     _decode_kernel[(bsz, n_kv, splits)](
-        q, cache, page_table, seq_lens, out, part, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), page_table.stride(0), cache[1].numel(), scale,
+        q, cache, page_table, seq_lens, out, part, q8, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), page_table.stride(0), q8.stride(0), cache[1].numel(), scale,
         softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=d_pad, G=g,
         G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
-        MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n), num_warps=warps)
+        MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n), QUANT=quantize,
+        num_warps=warps, enable_fp_fusion=False, **pdl.opts())  # the codes as gemv_i8's
     if splits > 1:
-        _merge_kernel[(bsz, n_q)](part, out, out.stride(0), out.stride(1), H=n_q, D=d,
-                                  D_PAD=d_pad, NUM_SPLITS=splits, S_PAD=_pow2(splits, 2))
-    return out
+        _merge_kernel[(bsz, n_q)](part, out, q8, out.stride(0), out.stride(1), q8.stride(0),
+                                  H=n_q, D=d, D_PAD=d_pad, NUM_SPLITS=splits,
+                                  S_PAD=_pow2(splits, 2), QUANT=quantize,
+                                  enable_fp_fusion=False, **pdl.opts())
+    return out, (q8 if quantize else None)
 
 
 def prefill(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
@@ -297,5 +324,5 @@ def prefill(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
         softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=_pow2(d), G=n_q // n_kv,
         BLOCK_M=block_m, BLOCK_N=32, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
-        MAX_ITERS=_max_iters(page_table.shape[1] * page, 32), num_warps=warps)
+        MAX_ITERS=_max_iters(page_table.shape[1] * page, 32), num_warps=warps, **pdl.opts())
     return out

@@ -139,13 +139,18 @@ def _e4m3_div256(b):
 
 
 # -- the activation chunk -------------------------------------------------------------------------
+def xq_len(k: int) -> int:
+    """int32 words of one activation row quantized ahead (`quant_store`): K / 4 code words,
+    K / 4 negated code words, K / 32 block scales (fp32 bits), K / 32 block sums."""
+    return k // 2 + k // 16
+
+
 @triton.jit
-def quant_x(x_row, k0, BK: tl.constexpr, NEG: tl.constexpr = False):
-    """x[k0 : k0 + BK] -> (codes: int32 [BK / 4], four int8 in k order per word; d: fp32
-    [BK / 32]; sums: int32 [BK / 32], each block's sum of codes; with NEG, the negated codes
-    packed alike (NVFP4's dot), else the codes again)."""
+def _quant(xf, BK: tl.constexpr, NEG: tl.constexpr):
+    """fp32 [BK] -> (codes int32 [BK / 4], d fp32 [BK / 32], sums int32 [BK / 32], negated
+    codes or the codes again), as `quant_x` documents."""
     G: tl.constexpr = BK // 32
-    x = tl.reshape(tl.load(x_row + k0 + tl.arange(0, BK)).to(tl.float32), (G, 32))
+    x = tl.reshape(xf, (G, 32))
     amax = tl.max(tl.abs(x), axis=1)
     safe = tl.where(amax > 0, amax, 1.0)  # an all-zero block: codes 0, d 0
     inv = tl.where(amax > 0, tl.math.div_rn(tl.full((G,), 127.0, tl.float32), safe), 0.0)
@@ -158,6 +163,63 @@ def quant_x(x_row, k0, BK: tl.constexpr, NEG: tl.constexpr = False):
     if NEG:
         neg = tl.sum(tl.reshape((0 - q) & 255, (G, 8, 4)) << shift, axis=2)
     return tl.reshape(words, (BK // 4,)), d, sums, tl.reshape(neg, (BK // 4,))
+
+
+@triton.jit
+def quant_x(x_row, k0, BK: tl.constexpr, NEG: tl.constexpr = False):
+    """x[k0 : k0 + BK] -> (codes: int32 [BK / 4], four int8 in k order per word; d: fp32
+    [BK / 32]; sums: int32 [BK / 32], each block's sum of codes; with NEG, the negated codes
+    packed alike (NVFP4's dot), else the codes again)."""
+    return _quant(tl.load(x_row + k0 + tl.arange(0, BK)).to(tl.float32), BK, NEG)
+
+
+@triton.jit
+def quant_store(xf, out_row, D, BLOCK: tl.constexpr):
+    """A whole row, fp32 [BLOCK] (zero past D, D a multiple of 32), quantized as `quant_x`
+    quantizes it chunk by chunk, stored in the `xq_len(D)` layout: a producer (RMSNorm)
+    quantizes once what every int8 GEMV program would quantize again (`load_xq`)."""
+    words, d, sums, neg = _quant(xf, BLOCK, True)
+    w = tl.arange(0, BLOCK // 4)
+    g = tl.arange(0, BLOCK // 32)
+    tl.store(out_row + w, words, mask=w < D // 4)
+    tl.store(out_row + D // 4 + w, neg, mask=w < D // 4)
+    tl.store(out_row + D // 2 + g, d.to(tl.int32, bitcast=True), mask=g < D // 32)
+    tl.store(out_row + D // 2 + D // 32 + g, sums, mask=g < D // 32)
+
+
+@triton.jit
+def quant_tile(xf, out_row, n0, ok, D: tl.constexpr):
+    """A producer that computes a row in parts stores each part's whole blocks: row i of the
+    tile xf (fp32 [R, C], C a multiple of 32) holds values n0 + i C .. n0 + (i + 1) C of the
+    row of D, quantized into their place of its `xq_len(D)` layout; rows where ok [R] is
+    false are skipped. (The fused MoE's gate/up programs: one part each; decode attention:
+    the query heads of one KV head.)"""
+    R: tl.constexpr = xf.shape[0]
+    C: tl.constexpr = xf.shape[1]
+    words, d, sums, neg = _quant(tl.reshape(xf, (R * C,)), R * C, True)
+    i = tl.arange(0, R)[:, None]
+    w = n0 // 4 + i * (C // 4) + tl.arange(0, C // 4)[None, :]
+    g = n0 // 32 + i * (C // 32) + tl.arange(0, C // 32)[None, :]
+    m = ok[:, None]
+    tl.store(out_row + w, tl.reshape(words, (R, C // 4)), mask=m)
+    tl.store(out_row + D // 4 + w, tl.reshape(neg, (R, C // 4)), mask=m)
+    tl.store(out_row + D // 2 + g, tl.reshape(d.to(tl.int32, bitcast=True), (R, C // 32)),
+             mask=m)
+    tl.store(out_row + D // 2 + D // 32 + g, tl.reshape(sums, (R, C // 32)), mask=m)
+
+
+@triton.jit
+def load_xq(xq_row, k0, K: tl.constexpr, BK: tl.constexpr, NEG: tl.constexpr = False):
+    """What `quant_x(x_row, k0, BK, NEG)` returns, read from a row `quant_store` wrote."""
+    w = tl.arange(0, BK // 4)
+    g = tl.arange(0, BK // 32)
+    words = tl.load(xq_row + k0 // 4 + w)
+    neg = words
+    if NEG:
+        neg = tl.load(xq_row + K // 4 + k0 // 4 + w)
+    d = tl.load(xq_row + K // 2 + k0 // 32 + g).to(tl.float32, bitcast=True)
+    sums = tl.load(xq_row + K // 2 + K // 32 + k0 // 32 + g)
+    return words, d, sums, neg
 
 
 # -- one format each: fp32 [BN] partial sums over k0 .. k0 + BK ---------------------------------
@@ -222,14 +284,25 @@ def _q8_0_split_i8(w_rows, s_rows, xw, xd, k0, n_ok, BK: tl.constexpr, ASM: tl.c
 
 @triton.jit
 def gemv_i8_row(FMT: tl.constexpr, w_rows, s_rows, x_row, n_ok, K: tl.constexpr,
-                BK: tl.constexpr, ASM: tl.constexpr):
-    """fp32 [BLOCK_N]: sum over k < K of W[n, k] x[k], x's chunks quantized in turn, the chunk
-    loop unrolled (`i8_chunk`)."""
+                BK: tl.constexpr, ASM: tl.constexpr, XQ: tl.constexpr = False):
+    """fp32 [BLOCK_N]: sum over k < K of W[n, k] x[k], x's chunks quantized in turn (XQ: x_row
+    is a row `quant_store` quantized ahead), the chunk loop unrolled (`i8_chunk`)."""
     acc = tl.zeros((w_rows.shape[0],), dtype=tl.float32)
     for k0 in tl.static_range(0, K, BK):
-        acc += gemv_i8_block(FMT, w_rows, s_rows, quant_x(x_row, k0, BK, FMT == 1), k0, n_ok,
-                             BK, ASM)
+        acc += gemv_i8_block(FMT, w_rows, s_rows, x_chunk(x_row, k0, K, BK, FMT == 1, XQ), k0,
+                             n_ok, BK, ASM)
     return acc
+
+
+@triton.jit
+def x_chunk(x_row, k0, K: tl.constexpr, BK: tl.constexpr, NEG: tl.constexpr,
+            XQ: tl.constexpr):
+    """The quantized chunk k0 .. k0 + BK: read from a row quantized ahead (XQ), else made."""
+    if XQ:
+        r = load_xq(x_row, k0, K, BK, NEG)
+    else:
+        r = quant_x(x_row, k0, BK, NEG)
+    return r
 
 
 @triton.jit

@@ -19,9 +19,19 @@ import triton
 import triton.language as tl
 
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels import xq
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.formats import F_Q8_0_SPLIT, format_id
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
-from freetoken.kernels.triton.gemv_i8 import asm, gemv_i8_row, i8_chunk, i8_chunk_ok, use_i8
+from freetoken.kernels.triton.gemv_i8 import (
+    asm,
+    gemv_i8_row,
+    i8_chunk,
+    i8_chunk_ok,
+    use_i8,
+    xq_len,
+)
+from freetoken.kernels.triton.pdl import wait
 from freetoken.kernels.triton.quant import decode_tile
 from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
 
@@ -56,7 +66,10 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
                 stride_xm, stride_wn, stride_sn, stride_om, K: tl.constexpr,
                 FMT: tl.constexpr, SCALE2: tl.constexpr, DOT: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
-                I8: tl.constexpr, ASM: tl.constexpr):
+                I8: tl.constexpr, ASM: tl.constexpr, XQ: tl.constexpr = False,
+                PDL: tl.constexpr = False):
+    """XQ: x_ptr / stride_xm are the rows quantized ahead (`kernels.xq`), int8 GEMV only."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     pid_m = tl.program_id(0)  # tokens vary fastest: programs that share rows run together
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -67,7 +80,7 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py)
         x_row = x_ptr + pid_m * stride_xm
-        acc += gemv_i8_row(FMT, w_rows, s_rows, x_row, n_ok, K, BK, ASM)[None, :]
+        acc += gemv_i8_row(FMT, w_rows, s_rows, x_row, n_ok, K, BK, ASM, XQ)[None, :]
     elif BM == 1:  # decode: K is a multiple of BK (the launcher's gemv_bk)
         for k0 in tl.range(0, K, BK):
             acc += gemv_block(FMT, w_rows, s_rows, x_ptr + pid_m * stride_xm, k0, n_ok,
@@ -92,8 +105,10 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
 
 @triton.jit
 def _decode_rows_kernel(ids_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, K, stride_wn, stride_sn,
-                        stride_om, FMT: tl.constexpr, SCALE2: tl.constexpr, BK: tl.constexpr):
+                        stride_om, FMT: tl.constexpr, SCALE2: tl.constexpr, BK: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """out[t, :] = row ids[t] of W (decoded, times a scalar scale2): embedding and tests."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
     row = tl.load(ids_ptr + t + tl.arange(0, 1))  # [1]
@@ -143,6 +158,12 @@ def _scale2_args(qw: QuantWeight, n: int, like: torch.Tensor) -> tuple[int, torc
         return 2, s.contiguous()
     raise ValueError(f"{qw.source or 'weight'}: scale2 has {s.numel()} values; a linear takes "
                      f"1 or one per output row ({n})")
+
+
+def xq_rows(x: torch.Tensor, m: int, k: int) -> torch.Tensor | None:
+    """x's rows quantized ahead by their producer (`kernels.xq`), when they fit [m, K]."""
+    q = xq.attached(x)
+    return q if q is not None and tuple(q.shape) == (m, xq_len(k)) else None
 
 
 # Tokens up to which the int8 GEMV runs once per token (BM = 1, the weight's later reads hit
@@ -252,10 +273,12 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
         raise ValueError(f"linear: int8 GEMV chunk BK={bk} does not tile K={k} for "
                          f"{qw.fmt}")
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _qmm_kernel[grid](x2, data, scales, s2, out, m, n, x2.stride(0), data.stride(-2),
+    q = xq_rows(x, m, k) if i8 and bm == 1 else None
+    xs = x2 if q is None else q  # the int8 GEMV reads x quantized ahead where it was
+    _qmm_kernel[grid](xs, data, scales, s2, out, m, n, xs.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,
                       BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(fmt, k, bk), I8=i8, ASM=asm(),
-                      num_warps=warps, enable_fp_fusion=False)
+                      XQ=q is not None, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -277,7 +300,7 @@ def triton_rows(qw: QuantWeight, ids: torch.Tensor, dtype: torch.dtype,
     if flat.numel():
         _decode_rows_kernel[grid](flat, data, scales, s2, out, k, data.stride(-2),
                                   scales.stride(-2), out.stride(0), FMT=fmt, SCALE2=mode, BK=bk,
-                                  enable_fp_fusion=False)
+                                  enable_fp_fusion=False, **pdl.opts())
     return out
 
 

@@ -18,9 +18,12 @@ row block, the k routes' terms added in order in fp32: deterministic, no [routes
 one launch fewer). Measured on the H200 (ft bench decode, fused): the 35B shape (FFN 512, one
 chunk) 308.6 -> 312.5 tok/s at batch 1, 826.8 -> 890.1 at 4, 1869.8 -> 1965.2 at 16; with
 FFN 768 (three chunks of 256 per route, 24 unrolled chunk bodies a program) the 30B shape lost
-10% at batch 1 (303.9 -> 271.0), so there the per-route kernel and the sum stay. The GEMVs
-multiply in int8 where the format and a 16-bit x allow (`gemv_i8.py`), else in fp32
-(`gemv.py`).
+10% at batch 1 (303.9 -> 271.0), so there the per-route kernel and the sum stay; once a is
+quantized by gate/up (below) the per-route kernel won at 1 token for FFN 512 too, so the
+down-and-sum kernel runs from `DOWN_SUM_TOKENS` tokens. The GEMVs multiply in int8 where the
+format and a 16-bit x allow (`gemv_i8.py`), else in fp32 (`gemv.py`); x may come quantized
+by the RMSNorm before (`kernels/xq.py`), and for NVFP4 gate/up stores a quantized
+(`QUANT_A_FORMATS`).
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
 `moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows decoded
@@ -34,17 +37,21 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.gemv_i8 import (
     asm,
     gemv_i8_block,
     gemv_i8_row,
     i8_chunk,
-    quant_x,
+    quant_tile,
     use_i8,
+    x_chunk,
+    xq_len,
 )
-from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args
+from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args, xq_rows
 from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, glu, grouped_expert_kernels
+from freetoken.kernels.triton.pdl import wait
 from freetoken.kernels.triton.quant import decode_tile, format_id
 from freetoken.kernels.triton.tiles import fast_tile, has_fast_tile
 from freetoken.moe.banks import ExpertBank
@@ -67,8 +74,10 @@ def _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM: tl.constexpr,
 
 
 @triton.jit
-def _sum_routes_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_routes_kernel(y_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """out[t, n] = sum_j y[t * TOPK + j, n] (fp32, in j order), stored in out's dtype."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = n < H
@@ -85,7 +94,13 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
                     FMT: tl.constexpr, DOT: tl.constexpr, ACT: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
                     UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
-                    ASM: tl.constexpr = True):
+                    ASM: tl.constexpr = True, XQ: tl.constexpr = False, QA: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    """XQ: x_ptr / stride_xm are the rows quantized ahead (`kernels.xq`), int8 GEMV only.
+    QA (decode, BN a multiple of 32): a is stored quantized for the int8 down GEMV instead
+    (a_ptr: rows of `xq_len(INTER)` words, `gemv_i8.quant_store`'s layout), the GLU output
+    quantized once here rather than in each down program."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     if slot < 0:
         return
@@ -101,7 +116,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
     if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py), x quantized once for both, the
         x_row = x_ptr + (tl.program_id(0) // TOPK).to(tl.int64) * stride_xm  # chunks unrolled
         for k0 in tl.static_range(0, K, BK):
-            xq = quant_x(x_row, k0, BK, FMT == 1)
+            xq = x_chunk(x_row, k0, K, BK, FMT == 1, XQ)
             acc_g += gemv_i8_block(FMT, wg, sg, xq, k0, n_ok, BK, ASM)[None, :]
             acc_u += gemv_i8_block(FMT, wu, su, xq, k0, n_ok, BK, ASM)[None, :]
     elif BM == 1:  # decode: one route (route = block), K a multiple of BK
@@ -125,8 +140,12 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
             acc_u = _dot_acc(acc_u, x, u, DOT)
     s = bank_s_ptr + slot * 4
     a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
-    out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
-    tl.store(out, a, mask=r_ok[:, None] & n_ok[None, :])
+    if QA:  # rows n0 .. n0 + BN: BN / 32 whole blocks of the row's codes
+        n0 = tl.program_id(1) * BN
+        quant_tile(a, a_ptr + tl.program_id(0).to(tl.int64) * stride_am, n0, r_ok, INTER)
+    else:
+        out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
+        tl.store(out, a, mask=r_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -136,7 +155,9 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                  K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
                  UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
-                 ASM: tl.constexpr = True):
+                 ASM: tl.constexpr = True, XQ: tl.constexpr = False, PDL: tl.constexpr = False):
+    """XQ: a_ptr / stride_am are a's rows quantized by `_gate_up_kernel` (QA)."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = rn < HIDDEN
@@ -152,7 +173,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py)
         a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
-        acc += gemv_i8_row(FMT, w_rows, s_rows, a_row, n_ok, K, BK, ASM)[None, :]
+        acc += gemv_i8_row(FMT, w_rows, s_rows, a_row, n_ok, K, BK, ASM, XQ)[None, :]
     elif BM == 1:  # decode: one route (route = block), K a multiple of BK
         a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
         for k0 in tl.range(0, K, BK, loop_unroll_factor=UNROLL):
@@ -178,12 +199,14 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, ids_ptr, map_ptr, route_w_
                      stride_am, stride_ws, stride_wn, stride_ss, stride_sn, stride_om,
                      K: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
                      FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     MAP: tl.constexpr, ASM: tl.constexpr):
+                     MAP: tl.constexpr, ASM: tl.constexpr, XQ: tl.constexpr = False,
+                     PDL: tl.constexpr = False):
     """Decode's down projection and the routes' sum in one launch: program (t, row block)
     computes y_j = (a[t k + j] Wd_j^T) * s[slot_j, 2] * route_weight, j = 0 .. k - 1, as an
     int8 GEMV each (K in one chunk of BK), and adds them in j order in fp32 (as
     `_sum_routes_kernel` adds `_down_kernel`'s rows). A route whose slot is -1 (computed
     elsewhere) adds nothing: its loads are masked off and its term is dropped."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = rn < HIDDEN
@@ -200,7 +223,7 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, ids_ptr, map_ptr, route_w_
                                    stride_sn, FMT)
         ok = n_ok & here
         acc = gemv_i8_row(FMT, w_rows, s_rows, a_ptr + r.to(tl.int64) * stride_am, ok, K, BK,
-                          ASM)
+                          ASM, XQ)
         y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * tl.load(route_w_ptr + r).to(tl.float32)
         total += tl.where(here, y, 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + rn, total.to(out_ptr.dtype.element_ty),
@@ -249,6 +272,21 @@ def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: 
 
 
 # -- launcher -------------------------------------------------------------------------------------
+# Decode in int8, formats (of both banks) for which gate/up stores the GLU output quantized
+# (rows in blocks of 32, so its programs take 32 rows) and the down GEMV reads the codes
+# instead of quantizing a again in every program. Measured on the H200 (one MoE layer, CUDA
+# graph, 16 expert sets cycled so the weights come from HBM; x quantized by the norm), us at
+# 1 / 4 / 16 tokens: NVFP4 128 x 2048 x 768 15.8 / 37.0 / 119.2 -> 16.3 / 35.8 / 106.1, 256 x
+# 2048 x 512 (per-route down) 14.6 / 25.0 / 78.1 against 19.2 / 31.7 / 82.4; Q4_K 128 x 2048 x
+# 768 lost (22.0 / 64.9 / 217.1 -> 28.8 / 78.4 / 252.0: its 32-row gate/up programs are too
+# few and too long).
+QUANT_A_FORMATS = (1,)
+# Tokens from which the down-and-sum kernel replaces the per-route down GEMV and the sum where
+# the FFN is one chunk (same measurement, NVFP4 256 x 2048 x 512 with quantized a: 17.5 /
+# 25.2 / 73.5 us against 14.6 / 25.0 / 78.1 at 1 / 4 / 16 tokens).
+DOWN_SUM_TOKENS = 8
+
+
 def supported(bank: ExpertBank) -> bool:
     return format_id(bank.w13) is not None and format_id(bank.w2) is not None
 
@@ -358,7 +396,7 @@ def _fused_grouped(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                                      _group_unroll(unroll, bn, inter, bk2)))
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
-                                                   num_warps=4)
+                                                   num_warps=4, **pdl.opts())
     return out
 
 
@@ -367,7 +405,9 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      expert_map: torch.Tensor | None = None,
                      tiles: tuple[int, int, int, int] | None = None,
                      unroll: int | None = None, grouped: bool | None = None,
-                     group_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                     group_tiles: tuple[int, int, int] | None = None,
+                     quant_a: bool | None = None, down_sum: bool | None = None
+                     ) -> torch.Tensor:
     """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
 
     `tiles` (BM, BN, BK, num_warps) overrides the choice by batch size (tests under the
@@ -375,7 +415,9 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     unroll (`_unroll`; 1 = rolled, for A/B measurements). `grouped` forces the grouped decode
     kernels on (True, where their chunking divides the K's) or off (False); None picks them by
     batch size (`GROUPED_TOKENS`; today never). `group_tiles` (BT, BN, num_warps) overrides
-    their tiles."""
+    their tiles. `quant_a` forces gate/up's quantized GLU output for the int8 down GEMV on
+    or off (None: `QUANT_A_FORMATS`); `down_sum` the int8 down-and-sum kernel (None: where the
+    FFN is one chunk, from `DOWN_SUM_TOKENS` tokens)."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
@@ -412,20 +454,34 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     rw = topk_weights.reshape(-1).contiguous()
     nb = block_slot.numel()
     bn, bk, warps, i8 = up
+    q = xq_rows(x, t, h) if i8 else None
+    xs = x if q is None else q  # the int8 GEMV reads x quantized ahead where it was
+    # the GLU output quantized once, by gate/up, for an int8 down GEMV (`QUANT_A`)
+    if quant_a is None:
+        quant_a = f13 == f2 and f13 in QUANT_A_FORMATS
+    qa = i8 and down[3] and quant_a and inter % 32 == 0
+    if qa:
+        bn = max(32, bn // 32 * 32)
+        qa = inter % bn == 0
+    if qa:
+        a = torch.empty(r, xq_len(inter), dtype=torch.int32, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
-        x, w13, s13, scales, route_ids, block_slot, emap, a, r, x.stride(0), w13.stride(0),
+        xs, w13, s13, scales, route_ids, block_slot, emap, a, r, xs.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
         FMT=f13, DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
         FAST=has_fast_tile(f13, h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
-        MAP=mapped, I8=i8, ASM=asm(), num_warps=warps, enable_fp_fusion=False)
+        MAP=mapped, I8=i8, ASM=asm(), XQ=q is not None, QA=qa, num_warps=warps,
+        enable_fp_fusion=False, **pdl.opts())
     bn, bk, warps, i8 = down
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    if i8 and bk == inter:  # (int8 runs at decode only) one chunk: down + sum in one launch
+    if down_sum is None:  # (int8: decode only) one chunk: down and the routes' sum together
+        down_sum = bk == inter and t >= DOWN_SUM_TOKENS
+    if i8 and down_sum:
         _down_sum_kernel[(t, triton.cdiv(h, bn))](
             a, w2, s2, scales, route_ids, emap, rw, out, a.stride(0), w2.stride(0),
             w2.stride(1), s2.stride(0), s2.stride(-2), out.stride(0), K=inter, HIDDEN=h,
-            TOPK=topk, FMT=f2, BN=bn, BK=bk, MAP=mapped, ASM=asm(), num_warps=warps,
-            enable_fp_fusion=False)
+            TOPK=topk, FMT=f2, BN=bn, BK=bk, MAP=mapped, ASM=asm(), XQ=qa, num_warps=warps,
+            enable_fp_fusion=False, **pdl.opts())
         return out
     y = (torch.empty if expert_map is None or mapped else torch.zeros)(
         r, h, dtype=torch.float32, device=x.device)
@@ -433,8 +489,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         a, w2, s2, scales, route_ids, block_slot, emap, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
         FMT=f2, DOT=dot, BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(f2, inter, bk),
-        UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(),
-        num_warps=warps, enable_fp_fusion=False)
+        UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
+        num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
-                                                   num_warps=4)
+                                                   num_warps=4, **pdl.opts())
     return out

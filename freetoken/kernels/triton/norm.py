@@ -12,10 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
+from freetoken.kernels.triton.pdl import wait
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, stride_y,
-                     stride_s, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, D, stride_x, stride_r, stride_y,
+                     stride_s, stride_q, eps, HAS_RES: tl.constexpr, QUANT: tl.constexpr,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)  # pdl.py: the kernel before has completed
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < D
@@ -27,7 +33,10 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, D, stride_x, stride_r, s
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-    tl.store(y_ptr + row * stride_y + cols, (xf * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
+    y = (xf * inv * w).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
+    if QUANT:  # the int8 GEMVs' activation, quantized once here (gemv_i8.quant_store)
+        quant_store(y.to(tl.float32), q_ptr + row * stride_q, D, BLOCK)
 
 
 def _warps(block: int) -> int:
@@ -35,19 +44,27 @@ def _warps(block: int) -> int:
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    residual: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    residual: torch.Tensor | None = None, quantize: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """x [N, D] (unit stride in D), weight fp32 [D], residual [N, D] in x's dtype or None ->
-    (y [N, D] in x's dtype, x + residual or None). Checked by `freetoken.kernels.norm`."""
+    (y [N, D] in x's dtype, x + residual or None, y quantized for the int8 GEMVs
+    [N, xq_len(D)] int32 with `quantize` (D a multiple of 32), else None). Checked by
+    `freetoken.kernels.norm`."""
     n, d = x.shape
     y = torch.empty((n, d), dtype=x.dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None else None
+    q = torch.empty((n, xq_len(d)), dtype=torch.int32, device=x.device) if quantize else None
     if n == 0:
-        return y, s
+        return y, s, q
+    if quantize and d % 32:
+        raise ValueError(f"rms_norm: quantize needs a width that is a multiple of 32, got {d}")
     block = triton.next_power_of_2(d)
     r = residual if residual is not None else x
+    s_ = s if s is not None else y
+    q_ = q if q is not None else y
     _rms_norm_kernel[(n,)](
-        x, r, weight, y, s if s is not None else y, d, x.stride(0), r.stride(0), y.stride(0),
-        (s if s is not None else y).stride(0), float(eps), HAS_RES=residual is not None,
-        BLOCK=block, num_warps=_warps(block))
-    return y, s
+        x, r, weight, y, s_, q_, d, x.stride(0), r.stride(0), y.stride(0), s_.stride(0),
+        q_.stride(0), float(eps), HAS_RES=residual is not None, QUANT=quantize, BLOCK=block,
+        num_warps=_warps(block), **pdl.opts(),
+        enable_fp_fusion=False)  # x * 127 / amax + 1/2 unfused, as in the GEMVs: the same codes
+    return y, s, q

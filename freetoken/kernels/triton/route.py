@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.pdl import wait
+
 
 @triton.jit
 def _route_row(x, e, ok, t, bias_ptr, ids_ptr, w_ptr, SIGMOID: tl.constexpr,
@@ -56,7 +59,8 @@ def _route_row(x, e, ok, t, bias_ptr, ids_ptr, w_ptr, SIGMOID: tl.constexpr,
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, SIGMOID: tl.constexpr,
                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -70,9 +74,10 @@ def _gate_route_kernel(x_ptr, g_ptr, logits_ptr, count_ptr, bias_ptr, ids_ptr, w
                        stride_x, stride_g, H: tl.constexpr, SIGMOID: tl.constexpr,
                        HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BE: tl.constexpr,
-                       BK: tl.constexpr):
+                       BK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (t, b): logits of experts [b BE, (b + 1) BE) for token t into logits [T, E]
     (fp32 scratch); the token's last program routes it."""
+    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0).to(tl.int64)
     eb = tl.program_id(1) * BE + tl.arange(0, BE)
     eb_ok = eb < E
@@ -121,7 +126,8 @@ def route_triton(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: b
     _route_kernel[(t,)](
         logits, bias if bias is not None else logits, ids, w, e, logits.stride(0),
         SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renormalize, TOPK=top_k,
-        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=_warps(block_e))
+        BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=_warps(block_e),
+        **pdl.opts())
     return ids, w
 
 
@@ -160,5 +166,5 @@ def gate_route_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, sigmoid: 
         x, gate, logits, _counts(x.device), bias if bias is not None else logits, ids, w, e,
         x.stride(0), gate.stride(0), H=h, SIGMOID=sigmoid, HAS_BIAS=bias is not None,
         RENORM=renormalize, TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-        BE=be, BK=min(2048, triton.next_power_of_2(h)), num_warps=warps)
+        BE=be, BK=min(2048, triton.next_power_of_2(h)), num_warps=warps, **pdl.opts())
     return ids, w

@@ -1,0 +1,69 @@
+"""Programmatic dependent launch (Hopper and later): a decode kernel is launched while the one
+before it still runs, so its programs are resident and past their launch when the producer
+finishes; `wait` (griddepcontrol.wait) then blocks until that kernel has completed and its
+writes are visible, before the first read or write of anything another kernel touches.
+
+At batch 1 a decode step is some 550 small kernels; the gap between two of them (launch and
+ramp-up of the next one after the previous one drains) is about a microsecond, a fifth of the
+step (profile_decode_step.py). CUDA graphs keep the dependency (a programmatic edge).
+
+Every kernel launched with `launch_pdl=True` must call `wait(PDL)` before its first access to
+memory another kernel writes or reads: then any chain of such kernels is ordered as a plain
+stream is. Off by default; `FREETOKEN_GPU_PDL=1` (launch as the previous kernel's programs
+exit) or `early` (as soon as they have all started) turns it on, on sm_90 and later (not
+ROCm, not Triton's interpreter).
+
+Measured on the H200 (ft bench decode, fused, batch 1 / 16, tok/s; 2026-12-01): Qwen3-30B-A3B
+shape Q4_K off 341.8 / 1188.4, 1: 340.7 / 1190.4, early: 334.7 / 1115.9; Qwen3.6-35B-A3B
+shape NVFP4 off 297.9 / 2059.7, 1: 292.0 / 2082.1, early: 312.3 / 1830.9. Waiting at the top
+of each kernel hides little: the next step is to issue a GEMV's weight loads before `wait`
+(they do not depend on the previous kernel), which is what this switch exists to try. With
+`early`, waiting programs of the next kernel hold SM slots the current one's later waves need
+(batch 16 lost 6-11%).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from freetoken import env
+from freetoken.kernels.triton import interpreting
+
+
+@functools.cache
+def _capable(device: int) -> bool:
+    import torch
+
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def mode() -> int:
+    """0: kernels launch one after the other; 1: programmatically dependent, the next kernel
+    launched as this one's programs exit; 2: the next kernel launched as soon as all of this
+    one's programs have started (`env.gpu_pdl`)."""
+    m = env.gpu_pdl()
+    if m == 0 or interpreting():
+        return 0
+    import torch
+
+    return m if torch.cuda.is_available() and _capable(torch.cuda.current_device()) else 0
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Block until the kernel before this one has completed (its writes visible); PDL 2 then
+    lets the next kernel launch at once."""
+    if PDL >= 1:
+        gdc_wait()
+    if PDL == 2:
+        gdc_launch_dependents()
+
+
+def opts() -> dict:
+    """A decode kernel's launch options: its `PDL` constexpr and `launch_pdl`, together."""
+    p = mode()
+    return {"PDL": p, "launch_pdl": p > 0}
