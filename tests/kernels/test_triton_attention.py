@@ -126,7 +126,8 @@ def test_decode_quantized_output():
     """With `quantize`, decode also stores its bf16 output quantized for the output
     projection's int8 GEMV: exactly the quantization of the stored output, rows of all query
     heads in order (one split: the query heads of a KV head per program, G = 2 of a 16-row
-    tile; three splits: the merge kernel, one head per program); the output itself unchanged."""
+    tile; three splits: the merge kernel, one head per program); the output itself unchanged
+    (to its rounding on the GPU)."""
     sys.path.insert(0, os.path.dirname(__file__))
     import triton_cases as cases
 
@@ -142,7 +143,11 @@ def test_decode_quantized_output():
                                  splits=splits)
         out, q8 = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
                              splits=splits, quantize=True)
-        assert none is None and torch.equal(out, plain)
+        assert none is None
+        if CUDA:  # compiled without fused multiply-adds when quantizing (the codes' rounding)
+            assert torch.allclose(out.float(), plain.float(), rtol=2.0**-7, atol=1e-6)
+        else:
+            assert torch.equal(out, plain)
         cases.check_codes(q8, out.reshape(2, -1))
 
 

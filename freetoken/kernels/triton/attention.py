@@ -297,12 +297,12 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
         G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
         MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n), QUANT=quantize,
-        num_warps=warps, enable_fp_fusion=False, **pdl.opts())  # the codes as gemv_i8's
+        num_warps=warps, enable_fp_fusion=not quantize, **pdl.opts())  # codes: as gemv_i8's
     if splits > 1:
         _merge_kernel[(bsz, n_q)](part, out, q8, out.stride(0), out.stride(1), q8.stride(0),
                                   H=n_q, D=d, D_PAD=d_pad, NUM_SPLITS=splits,
                                   S_PAD=_pow2(splits, 2), QUANT=quantize,
-                                  enable_fp_fusion=False, **pdl.opts())
+                                  enable_fp_fusion=not quantize, **pdl.opts())
     return out, (q8 if quantize else None)
 
 
