@@ -2,7 +2,9 @@
 quantized to int8 per 32 values (q = floor(x * 127 / amax + 1/2), d = amax / 127, llama.cpp's
 q8_1 up to the rounding of ties), the weight codes are expanded to int8 in registers and
 multiplied four at a time by `dp4a` (int32 sums, exact); the block scales multiply the integer
-sums once per block in fp32.
+sums once per block in fp32. A program quantizes its chunk itself (`quant_x`) or reads codes
+that the kernel producing the activation wrote once for all programs (`quant_store`,
+`quant_tile`, read by `load_xq`; `freetoken/kernels/xq.py`), the same arithmetic bit for bit.
 
 Why: the fp32 GEMV (`gemv.py`) spends some ten integer and float operations per weight value
 (nibble, bit pattern, conversion, FMA) and tops out at 500-765 GB/s on the H200, a sixth of HBM
