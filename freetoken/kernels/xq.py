@@ -22,12 +22,19 @@ MAX_ROWS = 16  # the int8 GEMVs run at decode sizes only (linear: up to 4 tokens
 _ATTR = "_freetoken_xq"
 
 
+def int8_dots(dtype: torch.dtype) -> bool:
+    """Whether the GPU's decode GEMVs multiply activations of this dtype in int8: 16-bit ones
+    (fp32 runs stay exact), FREETOKEN_GPU_INT8_DOT not 0, and not ROCm (the dots are PTX)."""
+    return (dtype in (torch.bfloat16, torch.float16) and torch.version.hip is None
+            and env.gpu_int8_dot())
+
+
 def wanted(x: torch.Tensor) -> bool:
-    """Whether quantizing x's rows ahead can serve an int8 GEMV: a CUDA (not ROCm) 16-bit
-    activation of few rows, a width in whole 32-value blocks, the int8 switch on."""
+    """Whether quantizing x's rows ahead can serve an int8 GEMV: a CUDA activation of few rows
+    that the int8 dots take (`int8_dots`), a width in whole 32-value blocks."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and rows <= MAX_ROWS
-            and x.shape[-1] % 32 == 0 and torch.version.hip is None and env.gpu_int8_dot())
+    return (x.is_cuda and rows <= MAX_ROWS and x.shape[-1] % 32 == 0
+            and int8_dots(x.dtype))
 
 
 def attach(y: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:

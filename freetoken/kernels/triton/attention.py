@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import interpreting, pdl
-from freetoken.kernels.triton.gemv_i8 import quant_tile, xq_len
+from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.pdl import wait
 
 # A finite "minus infinity": a fully masked block gives weight 0, never NaN.
@@ -109,7 +109,7 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
                    HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr,
                    QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
     """QUANT (D = D_PAD, a multiple of 32): the output rows are also stored quantized for the
-    output projection's int8 GEMV (`gemv_i8.quant_tile`, rows of `xq_len(Hq D)` at q8)."""
+    output projection's int8 GEMV (`gemv_i8.quant_store`, rows of `xq_len(Hq D)` at q8)."""
     wait(PDL)  # pdl.py: the kernel before has completed
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -144,7 +144,7 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
         dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qm)
         if QUANT:
-            quant_tile(out.to(out_ptr.dtype.element_ty).to(tl.float32),
+            quant_store(out.to(out_ptr.dtype.element_ty).to(tl.float32),
                        q8_ptr + b.to(tl.int64) * stride_q8, kvh * G * D, gmask, N_KV * G * D)
     else:  # partials [B, Hq, NUM_SPLITS, D_PAD + 2]: acc, then m, then den
         row = (b * (N_KV * G) + heads) * NUM_SPLITS + split
@@ -174,7 +174,7 @@ def _merge_kernel(part_ptr, out_ptr, q8_ptr, stride_ot, stride_oh, stride_q8, H:
     tl.store(out_ptr + b * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < D)
     if QUANT:
-        quant_tile(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), (1, D_PAD)),
+        quant_store(tl.reshape(out.to(out_ptr.dtype.element_ty).to(tl.float32), (1, D_PAD)),
                    q8_ptr + b.to(tl.int64) * stride_q8, h * D, tl.arange(0, 1) < 1, H * D)
 
 

@@ -3,8 +3,8 @@ quantized to int8 per 32 values (q = floor(x * 127 / amax + 1/2), d = amax / 127
 q8_1 up to the rounding of ties), the weight codes are expanded to int8 in registers and
 multiplied four at a time by `dp4a` (int32 sums, exact); the block scales multiply the integer
 sums once per block in fp32. A program quantizes its chunk itself (`quant_x`) or reads codes
-that the kernel producing the activation wrote once for all programs (`quant_store`,
-`quant_tile`, read by `load_xq`; `freetoken/kernels/xq.py`), the same arithmetic bit for bit.
+that the kernel producing the activation wrote once for all programs (`quant_store`, read by
+`load_xq`; `freetoken/kernels/xq.py`), the same arithmetic bit for bit.
 
 Why: the fp32 GEMV (`gemv.py`) spends some ten integer and float operations per weight value
 (nibble, bit pattern, conversion, FMA) and tops out at 500-765 GB/s on the H200, a sixth of HBM
@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken import env
+from freetoken.kernels import xq
 from freetoken.kernels.triton import interpreting
 from freetoken.kernels.triton.quant import _e2m1x2_int, _f16, _k4_scale_min
 
@@ -47,12 +47,9 @@ def asm() -> bool:
 
 
 def use_i8(fmt: int, x_dtype) -> bool:
-    """The int8 path for a decode launch: a format with int8 dots, a 16-bit activation (fp32
-    runs stay exact), FREETOKEN_GPU_INT8_DOT not 0, and not ROCm (the dots are PTX)."""
-    import torch  # the launchers' dtype; no torch import at module level
-
-    return fmt in I8_FORMATS and x_dtype in (torch.bfloat16, torch.float16) \
-        and env.gpu_int8_dot() and torch.version.hip is None
+    """The int8 path for a decode launch: a format with int8 dots and an activation they take
+    (`kernels.xq.int8_dots`: 16-bit, the switch on, not ROCm)."""
+    return fmt in I8_FORMATS and xq.int8_dots(x_dtype)
 
 
 def i8_chunk_ok(fmt: int, k: int, bk: int) -> bool:
@@ -176,38 +173,27 @@ def quant_x(x_row, k0, BK: tl.constexpr, NEG: tl.constexpr = False):
 
 
 @triton.jit
-def quant_store(xf, out_row, D, BLOCK: tl.constexpr):
-    """A whole row, fp32 [BLOCK] (zero past D, D a multiple of 32), quantized as `quant_x`
-    quantizes it chunk by chunk, stored in the `xq_len(D)` layout: a producer (RMSNorm)
-    quantizes once what every int8 GEMV program would quantize again (`load_xq`)."""
-    words, d, sums, neg = _quant(xf, BLOCK, True)
-    w = tl.arange(0, BLOCK // 4)
-    g = tl.arange(0, BLOCK // 32)
-    tl.store(out_row + w, words, mask=w < D // 4)
-    tl.store(out_row + D // 4 + w, neg, mask=w < D // 4)
-    tl.store(out_row + D // 2 + g, d.to(tl.int32, bitcast=True), mask=g < D // 32)
-    tl.store(out_row + D // 2 + D // 32 + g, sums, mask=g < D // 32)
-
-
-@triton.jit
-def quant_tile(xf, out_row, n0, ok, D: tl.constexpr):
-    """A producer that computes a row in parts stores each part's whole blocks: row i of the
-    tile xf (fp32 [R, C], C a multiple of 32) holds values n0 + i C .. n0 + (i + 1) C of the
-    row of D, quantized into their place of its `xq_len(D)` layout; rows where ok [R] is
-    false are skipped. (The fused MoE's gate/up programs: one part each; decode attention:
-    the query heads of one KV head.)"""
+def quant_store(xf, out_row, n0, ok, D):
+    """Codes made once by the kernel that produces the activation, for every int8 GEMV
+    program that reads it (`load_xq`), quantized as `quant_x` quantizes chunks: row i of the
+    tile xf (fp32 [R, C], C a multiple of 32) holds values n0 + i C .. n0 + (i + 1) C of a row
+    of D values (D a multiple of 32), stored into their place of its `xq_len(D)` layout; rows
+    where ok [R] is false and values past D (zero in xf) are not stored. Producers: the
+    RMSNorm (one tile [1, BLOCK] a row), the fused MoE's gate/up (one part of a's row a
+    program), decode attention (the query heads of one KV head)."""
     R: tl.constexpr = xf.shape[0]
     C: tl.constexpr = xf.shape[1]
     words, d, sums, neg = _quant(tl.reshape(xf, (R * C,)), R * C, True)
     i = tl.arange(0, R)[:, None]
     w = n0 // 4 + i * (C // 4) + tl.arange(0, C // 4)[None, :]
     g = n0 // 32 + i * (C // 32) + tl.arange(0, C // 32)[None, :]
-    m = ok[:, None]
-    tl.store(out_row + w, tl.reshape(words, (R, C // 4)), mask=m)
-    tl.store(out_row + D // 4 + w, tl.reshape(neg, (R, C // 4)), mask=m)
+    mw = ok[:, None] & (w < D // 4)
+    mg = ok[:, None] & (g < D // 32)
+    tl.store(out_row + w, tl.reshape(words, (R, C // 4)), mask=mw)
+    tl.store(out_row + D // 4 + w, tl.reshape(neg, (R, C // 4)), mask=mw)
     tl.store(out_row + D // 2 + g, tl.reshape(d.to(tl.int32, bitcast=True), (R, C // 32)),
-             mask=m)
-    tl.store(out_row + D // 2 + D // 32 + g, tl.reshape(sums, (R, C // 32)), mask=m)
+             mask=mg)
+    tl.store(out_row + D // 2 + D // 32 + g, tl.reshape(sums, (R, C // 32)), mask=mg)
 
 
 @triton.jit

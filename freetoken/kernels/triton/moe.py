@@ -44,7 +44,7 @@ from freetoken.kernels.triton.gemv_i8 import (
     gemv_i8_block,
     gemv_i8_row,
     i8_chunk,
-    quant_tile,
+    quant_store,
     use_i8,
     x_chunk,
     xq_len,
@@ -142,7 +142,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
     a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     if QA:  # rows n0 .. n0 + BN: BN / 32 whole blocks of the row's codes
         n0 = tl.program_id(1) * BN
-        quant_tile(a, a_ptr + tl.program_id(0).to(tl.int64) * stride_am, n0, r_ok, INTER)
+        quant_store(a, a_ptr + tl.program_id(0).to(tl.int64) * stride_am, n0, r_ok, INTER)
     else:
         out = a_ptr + routes[:, None].to(tl.int64) * stride_am + rn[None, :]
         tl.store(out, a, mask=r_ok[:, None] & n_ok[None, :])
@@ -440,7 +440,6 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
                          f"{h} / intermediate {inter}")
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
-    a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     if r == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     # Every route's row is written unless a map sends it elsewhere (then it must read zero:
@@ -456,15 +455,17 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     bn, bk, warps, i8 = up
     q = xq_rows(x, t, h) if i8 else None
     xs = x if q is None else q  # the int8 GEMV reads x quantized ahead where it was
-    # the GLU output quantized once, by gate/up, for an int8 down GEMV (`QUANT_A`)
+    # the GLU output quantized once, by gate/up programs of whole 32-value blocks, for an
+    # int8 down GEMV (`QUANT_A_FORMATS`); else stored in fp32
     if quant_a is None:
         quant_a = f13 == f2 and f13 in QUANT_A_FORMATS
-    qa = i8 and down[3] and quant_a and inter % 32 == 0
+    qa_rows = max(32, bn // 32 * 32)
+    qa = i8 and down[3] and quant_a and inter % qa_rows == 0
     if qa:
-        bn = max(32, bn // 32 * 32)
-        qa = inter % bn == 0
-    if qa:
+        bn = qa_rows
         a = torch.empty(r, xq_len(inter), dtype=torch.int32, device=x.device)
+    else:
+        a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         xs, w13, s13, scales, route_ids, block_slot, emap, a, r, xs.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,

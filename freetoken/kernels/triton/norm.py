@@ -36,7 +36,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, q_ptr, D, stride_x, stri
     y = (xf * inv * w).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + cols, y, mask=ok)
     if QUANT:  # the int8 GEMVs' activation, quantized once here (gemv_i8.quant_store)
-        quant_store(y.to(tl.float32), q_ptr + row * stride_q, D, BLOCK)
+        quant_store(tl.reshape(y.to(tl.float32), (1, BLOCK)), q_ptr + row * stride_q, 0,
+                    tl.arange(0, 1) < 1, D)
 
 
 def _warps(block: int) -> int:

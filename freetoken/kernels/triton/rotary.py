@@ -74,7 +74,7 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, cos_ptr
         i = tl.arange(0, 2 * HALF)
         v = tl.load(v_ptr + t * sv_t + hv * sv_h + i)
         dst = cache_ptr + v_plane + (slot * HKV + hv) * (2 * HALF) + i
-        tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=(i >= 0) & (slot >= 0))
+        tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=slot >= 0)
 
 
 def qk_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
