@@ -63,7 +63,8 @@ def gpu_pdl() -> int:
     (`kernels/triton/pdl.py`: the next kernel launched while the one before it finishes,
     waiting for its results; Hopper and later); `early`: launched as soon as all programs of
     the one before have started (2). Default 0 (off): neither mode measured faster yet."""
-    v = os.environ.get("FREETOKEN_GPU_PDL", "").strip().lower()
+    v = _choice("FREETOKEN_GPU_PDL", ("0", "false", "no", "off", "1", "true", "yes", "on",
+                                      "early"))
     if v == "early":
         return 2
     return 1 if v in ("1", "true", "yes", "on") else 0

@@ -294,6 +294,15 @@ def test_pdl_switch(value, mode, monkeypatch):
         assert opts == {"PDL": 0, "launch_pdl": False}
 
 
+def test_pdl_switch_refuses_other_values(monkeypatch):
+    """A value the switch does not know is an error naming it, not silently off."""
+    from freetoken import env
+
+    monkeypatch.setenv("FREETOKEN_GPU_PDL", "2")
+    with pytest.raises(ValueError, match="FREETOKEN_GPU_PDL='2'"):
+        env.gpu_pdl()
+
+
 @pytest.mark.skipif(not CUDA, reason="programmatic dependent launch runs on the GPU only")
 @pytest.mark.parametrize("value", ["1", "early"])
 def test_pdl_same_bits(value, monkeypatch):
