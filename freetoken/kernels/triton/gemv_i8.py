@@ -36,7 +36,7 @@ import triton.language as tl
 
 from freetoken.kernels import xq
 from freetoken.kernels.triton import interpreting
-from freetoken.kernels.triton.quant import _e2m1x2_int, _f16, _k4_scale_min
+from freetoken.kernels.triton.quant import _e2m1x2_int
 
 I8_FORMATS = (1, 13, 18)  # NVFP4, Q4_K, split Q8_0
 
@@ -228,16 +228,33 @@ def _nvfp4_i8(w_rows, s_rows, xw, xd, xn, k0, n_ok, BK: tl.constexpr, ASM: tl.co
 
 
 @triton.jit
+def _byte_pair(lo4, hi4, HIGH: tl.constexpr):
+    """[BN, S, 4] from words [BN, S]: for g < 4, the byte of sub-block 2g (HIGH: 2g + 1) of
+    a Q4_K super-block, sub-blocks 0-3 being the bytes of lo4 and 4-7 those of hi4."""
+    g = tl.arange(0, 4)[None, None, :]
+    src = tl.where(g < 2, lo4[:, :, None], hi4[:, :, None])
+    return (src >> ((g % 2) * 16 + (8 if HIGH else 0))) & 255
+
+
+@triton.jit
 def _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
     """Super-block s of a chunk: 144 bytes (d, dmin, 12 scale bytes, 128 code bytes); code
     word 8g + l (g < 4, l < 8) holds k = 64g + 4l .. + 3 (low nibbles, sub-block 2g) and the
-    same + 32 (high, sub-block 2g + 1)."""
+    same + 32 (high, sub-block 2g + 1). The 16-byte head is read as four words, one vector
+    load (144-byte blocks keep it 16-byte aligned), and the 6-bit scales and mins are cut
+    from the words four at a time (llama.cpp's `get_scale_min_k4` on whole words): sub-blocks
+    0-3 are bytes of w1 (scales) and w2 (mins) & 63; sub-blocks 4-7 take their low four bits
+    from w3 and their top two from bits 6-7 of w1 / w2's bytes."""
     BN: tl.constexpr = w_rows.shape[0]
     S: tl.constexpr = BK // 256
-    blk = w_rows + (k0 // 256 + tl.arange(0, S))[None, :] * 144  # [BN, S]
-    m2 = n_ok[:, None]
-    q = tl.load((blk + 16).to(tl.pointer_type(tl.int32))[:, :, None]
-                + tl.arange(0, 32)[None, None, :], mask=n_ok[:, None, None], other=0)
+    blk = (w_rows + (k0 // 256 + tl.arange(0, S))[None, :] * 144).to(tl.pointer_type(tl.int32))
+    q = tl.load((blk + 4)[:, :, None] + tl.arange(0, 32)[None, None, :],
+                mask=n_ok[:, None, None], other=0)
+    head = tl.load(blk[:, :, None] + tl.arange(0, 4)[None, None, :], mask=n_ok[:, None, None],
+                   other=0)  # [BN, S, 4]: d | dmin << 16, scale bytes 0-3, 4-7, 8-11
+    h02, h13 = tl.split(tl.reshape(head, (BN, S, 2, 2)))
+    w0, w2 = tl.split(h02)
+    w1, w3 = tl.split(h13)
     x4 = tl.permute(tl.reshape(xw, (S, 4, 2, 8)), (0, 1, 3, 2))  # [S, g, l, half]
     x_lo, x_hi = tl.split(x4)  # [S, 4, 8]
     d_lo = _dp4a(q & 0x0F0F0F0F, tl.reshape(x_lo, (S, 32))[None], 0, ASM)
@@ -246,16 +263,20 @@ def _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
     i_hi = tl.sum(tl.reshape(d_hi, (BN, S, 4, 8)), axis=3).to(tl.float32)
     xd_lo, xd_hi = tl.split(tl.reshape(xd, (S, 4, 2)))  # [S, 4]: sub-blocks 2g, 2g + 1
     xs_lo, xs_hi = tl.split(tl.reshape(xs, (S, 4, 2)))
-    g = tl.arange(0, 4)[None, None, :]
-    sc = blk[:, :, None] + 4
-    m3 = n_ok[:, None, None]
-    sc_lo, mn_lo = _k4_scale_min(sc, 2 * g, m3)
-    sc_hi, mn_hi = _k4_scale_min(sc, 2 * g + 1, m3)
-    sums = tl.sum(sc_lo.to(tl.float32) * (i_lo * xd_lo[None])
-                  + sc_hi.to(tl.float32) * (i_hi * xd_hi[None]), axis=2)  # [BN, S]
-    mins = tl.sum(mn_lo.to(tl.float32) * (xs_lo.to(tl.float32) * xd_lo)[None]
-                  + mn_hi.to(tl.float32) * (xs_hi.to(tl.float32) * xd_hi)[None], axis=2)
-    return tl.sum(_f16(blk, m2) * sums - _f16(blk + 2, m2) * mins, axis=1)
+    sc4 = w1 & 0x3F3F3F3F  # [BN, S]: sub-blocks 0-3's scales, a byte each
+    sc8 = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)  # 4-7
+    mn4 = w2 & 0x3F3F3F3F
+    mn8 = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+    sums = tl.sum(_byte_pair(sc4, sc8, False).to(tl.float32) * (i_lo * xd_lo[None])
+                  + _byte_pair(sc4, sc8, True).to(tl.float32) * (i_hi * xd_hi[None]),
+                  axis=2)  # [BN, S]
+    mins = tl.sum(_byte_pair(mn4, mn8, False).to(tl.float32)
+                  * (xs_lo.to(tl.float32) * xd_lo)[None]
+                  + _byte_pair(mn4, mn8, True).to(tl.float32)
+                  * (xs_hi.to(tl.float32) * xd_hi)[None], axis=2)
+    d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return tl.sum(d * sums - dmin * mins, axis=1)
 
 
 @triton.jit
