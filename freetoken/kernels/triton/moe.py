@@ -279,8 +279,11 @@ def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: 
 # 1 / 4 / 16 tokens: NVFP4 128 x 2048 x 768 15.8 / 37.0 / 119.2 -> 16.3 / 35.8 / 106.1, 256 x
 # 2048 x 512 (per-route down) 14.6 / 25.0 / 78.1 against 19.2 / 31.7 / 82.4; Q4_K 128 x 2048 x
 # 768 lost (22.0 / 64.9 / 217.1 -> 28.8 / 78.4 / 252.0: its 32-row gate/up programs are too
-# few and too long).
+# few and too long). At one token it lost for NVFP4 too, once gate/up read 2048-wide chunks
+# (`_i8_tiles`): 17.8 against 15.7 us (128 x 2048 x 768), 16.4 against 13.1 (256 x 2048 x 512)
+# (scratch sweep of BN / BK / warps, H200, 2026-12-01), so it starts at QUANT_A_TOKENS.
 QUANT_A_FORMATS = (1,)
+QUANT_A_TOKENS = 2
 # Tokens from which the down-and-sum kernel replaces the per-route down GEMV and the sum where
 # the FFN is one chunk (same measurement, NVFP4 256 x 2048 x 512 with quantized a: 17.5 /
 # 25.2 / 73.5 us against 14.6 / 25.0 / 78.1 at 1 / 4 / 16 tokens).
@@ -317,7 +320,8 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
 
 
 def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
-              tiles: tuple[int, int, int, int] | None) -> tuple[int, int, int, bool] | None:
+              tiles: tuple[int, int, int, int] | None,
+              tokens: int = 2) -> tuple[int, int, int, bool] | None:
     """(BN, BK, num_warps, True) of a decode kernel in int8 dots (gemv_i8.py) over K, or None
     for the fp32 GEMV (format, activation dtype, the switch, or chunks that do not tile K).
     `tiles` (BM, BN, BK, num_warps) overrides the choice, as for the fp32 GEMV (BK: at most,
@@ -327,7 +331,11 @@ def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
     # Measured on the H200 (bench_gpu_kernels.py --sweep F --sweep-tokens 1, one token, top-8):
     # 16 rows, chunks up to 1024, 4 warps: 128 experts 2048 x 768 NVFP4 15.8 us a layer,
     # Q4_K 20.0 (the fp32 GEMV: 28); 256 experts 2048 x 512 NVFP4 12.3 us.
-    bk = i8_chunk(fmt, k, 1024 if tiles is None else tiles[2])
+    # One token of NVFP4 (no quantized GLU output then): chunks up to 2048, a whole
+    # hidden-2048 row in one chunk, 15.7 us against 17.3 with 1024 (128 x 2048 x 768; 256 x
+    # 2048 x 512 13.1 against 15.0); Q4_K lost with them (16.2 against 15.3: registers).
+    want = 2048 if fmt == 1 and tokens == 1 else 1024
+    bk = i8_chunk(fmt, k, want if tiles is None else tiles[2])
     if bk is None:
         return None
     return (16, bk, 4, True) if tiles is None else (tiles[1], bk, tiles[3], True)
@@ -433,8 +441,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     bm, bn, bk, warps = tiles or _tiles(t, topk, bank, dot)
     f13, f2 = format_id(bank.w13), format_id(bank.w2)
     # (BN, BK, num_warps, int8) of each kernel: the int8 GEMV where its format and x allow
-    up = _i8_tiles(f13, h, x.dtype, tiles) if bm == 1 else None
-    down = _i8_tiles(f2, inter, x.dtype, tiles) if bm == 1 else None
+    up = _i8_tiles(f13, h, x.dtype, tiles, t) if bm == 1 else None
+    down = _i8_tiles(f2, inter, x.dtype, tiles, t) if bm == 1 else None
     up, down = up or (bn, bk, warps, False), down or (bn, bk, warps, False)
     if bm == 1 and (h % up[1] or inter % down[1]):
         raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
@@ -458,7 +466,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     # the GLU output quantized once, by gate/up programs of whole 32-value blocks, for an
     # int8 down GEMV (`QUANT_A_FORMATS`); else stored in fp32
     if quant_a is None:
-        quant_a = f13 == f2 and f13 in QUANT_A_FORMATS
+        quant_a = f13 == f2 and f13 in QUANT_A_FORMATS and t >= QUANT_A_TOKENS
     qa_rows = max(32, bn // 32 * 32)
     qa = i8 and down[3] and quant_a and inter % qa_rows == 0
     if qa:
