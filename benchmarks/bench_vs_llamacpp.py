@@ -24,6 +24,13 @@ llama-bench runs `-ngl 99 -t THREADS -p PROMPT -n GEN -o json` (batch-1 decode a
 PROMPT tokens, both in tokens/s); FreeToken runs `ft bench decode` at every --batch with the
 same prompt length for prefill. llama-bench has no multi-sequence decode, so FreeToken's
 larger batches have no llama.cpp figure.
+
+Experts off the GPU: `--n-cpu-moe 43,48` adds llama-bench runs with the routed experts of that
+many layers on the CPU (`-ncmoe`; 43 of Qwen3-30B-A3B's 48 layers leaves about 10% of the
+experts on the GPU), and `--cache-backends hybrid,cpu --cache-rate 0.1` a FreeToken sweep of its
+expert-cache backends at that share of the experts on the GPU. Each such FreeToken row is set
+beside every `-ncmoe` row: the first `-ncmoe` value is the like-for-like one (the same share of
+experts on the GPU), the others are llama.cpp's other settings, for reference.
 """
 
 from __future__ import annotations
@@ -79,18 +86,22 @@ def llama_bench_binary(path: Path, work: Path, jobs: int) -> Path:
 
 
 def run_llama_bench(binary: Path, gguf: Path, threads: int, prompt: int, gen: int,
-                    extra: list[str]) -> dict[str, float]:
-    """{"decode_b1": tok/s, "prefill": tok/s} from llama-bench's JSON output."""
+                    extra: list[str], n_cpu_moe: list[int]) -> dict[int, dict[str, float]]:
+    """{n_cpu_moe: {"decode_b1": tok/s, "prefill": tok/s}} from llama-bench's JSON output (0:
+    every expert on the GPU)."""
     cmd = [str(binary), "-m", str(gguf), "-ngl", "99", "-t", str(threads), "-p", str(prompt),
            "-n", str(gen), "-o", "json", *extra]
+    if n_cpu_moe != [0]:
+        cmd += ["-ncmoe", ",".join(map(str, n_cpu_moe))]
     out = _run(cmd, capture=True)
     rows = json.loads(out[out.index("["):])
-    res = {}
+    res: dict[int, dict[str, float]] = {}
     for r in rows:
+        got = res.setdefault(int(r.get("n_cpu_moe", 0)), {})
         if r.get("n_gen", 0) > 0 and r.get("n_prompt", 0) == 0:
-            res["decode_b1"] = float(r["avg_ts"])
+            got["decode_b1"] = float(r["avg_ts"])
         elif r.get("n_prompt", 0) > 0 and r.get("n_gen", 0) == 0:
-            res["prefill"] = float(r["avg_ts"])
+            got["prefill"] = float(r["avg_ts"])
     return res
 
 
@@ -113,16 +124,35 @@ def _run(cmd: list[str], cwd: Path | None = None, capture: bool = False) -> str:
     return res.stdout or ""
 
 
-def table(ft: dict, lc: dict, prompt: int) -> list[dict]:
-    rows = [{"measure": f"decode batch {r['batch']} (tokens/s, aggregate)",
-             "freetoken": r["tokens_per_s"], "llama.cpp": lc.get("decode_b1")
-             if r["batch"] == 1 else None} for r in ft.get("decode", [])]
-    for r in ft.get("prefill", []):
-        rows.append({"measure": f"prefill {r['prompt_len']} (prompt tokens/s)",
-                     "freetoken": r["tokens_per_s"],
-                     "llama.cpp": lc.get("prefill") if r["prompt_len"] == prompt else None})
-    for r in rows:
-        r["ratio"] = r["freetoken"] / r["llama.cpp"] if r["llama.cpp"] else None
+def _setup(r: dict) -> str:
+    """FreeToken's setting of a bench row: fused (every expert on the GPU) or backend@rate."""
+    if r.get("moe_backend") is None:
+        return "all experts on the GPU"
+    return f"{r['moe_backend']}, cache rate {r['moe_cache_rate']:g}"
+
+
+def table(ft: list[dict], lc: dict[int, dict[str, float]], prompt: int) -> list[dict]:
+    """Rows (FreeToken setting, llama.cpp setting, measure, both figures, ratio). FreeToken's
+    fused rows face `-ncmoe 0`; its cache-backend rows face each `-ncmoe` value above 0."""
+    rows = []
+    for rep in ft:
+        for kind in ("decode", "prefill"):
+            for r in rep.get(kind, []):
+                fused = r.get("moe_backend") is None
+                peers = [0] if fused else [n for n in lc if n > 0] or [None]
+                for n in peers:
+                    lcr = lc.get(n, {}) if n is not None else {}
+                    if kind == "decode":
+                        measure = f"decode batch {r['batch']} (tokens/s, aggregate)"
+                        theirs = lcr.get("decode_b1") if r["batch"] == 1 else None
+                    else:
+                        measure = f"prefill {r['prompt_len']} (prompt tokens/s)"
+                        theirs = lcr.get("prefill") if r["prompt_len"] == prompt else None
+                    rows.append({"freetoken_setup": _setup(r), "measure": measure,
+                                 "llama_setup": "-" if n is None else
+                                 ("all on the GPU" if n == 0 else f"-ncmoe {n}"),
+                                 "freetoken": r["tokens_per_s"], "llama.cpp": theirs,
+                                 "ratio": r["tokens_per_s"] / theirs if theirs else None})
     return rows
 
 
@@ -130,9 +160,11 @@ def print_table(rows: list[dict]) -> None:
     def f(x, spec):
         return "—" if x is None else format(x, spec)
 
-    print("| measure | FreeToken | llama.cpp | FreeToken / llama.cpp |\n|---|---|---|---|")
+    print("| FreeToken | llama.cpp | measure | FreeToken | llama.cpp | FreeToken / llama.cpp |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['measure']} | {f(r['freetoken'], '.1f')} | {f(r['llama.cpp'], '.1f')} | "
+        print(f"| {r['freetoken_setup']} | {r['llama_setup']} | {r['measure']} | "
+              f"{f(r['freetoken'], '.1f')} | {f(r['llama.cpp'], '.1f')} | "
               f"{f(r['ratio'], '.2f')} |")
 
 
@@ -154,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=128, help="decode tokens (llama-bench -n)")
     p.add_argument("--llama-args", default="", help="extra llama-bench arguments")
     p.add_argument("--ft-args", default="", help="extra ft bench decode arguments")
+    p.add_argument("--n-cpu-moe", default="",
+                   help="also llama-bench with the experts of this many layers on the CPU "
+                   "(comma-separated, e.g. 43,48: llama-bench -ncmoe)")
+    p.add_argument("--cache-backends", default="",
+                   help="also FreeToken's expert-cache backends (comma-separated: offload, "
+                   "cpu, hybrid) at --cache-rate")
+    p.add_argument("--cache-rate", default="0.1", help="their expert cache rate")
+    p.add_argument("--cache-batch", default="1", help="their decode batch sizes")
     p.add_argument("--json", type=Path, default=None, help="also write everything as JSON")
     args = p.parse_args(argv)
 
@@ -164,13 +204,20 @@ def main(argv: list[str] | None = None) -> int:
               "--expert-type", args.make, "--layers", str(args.layers)])
     work = args.work or Path(tempfile.mkdtemp(prefix="llamacpp-"))
     binary = llama_bench_binary(args.llama, work, args.jobs)
+    ft = []
     with tempfile.TemporaryDirectory() as tmp:
-        ft = run_freetoken(args.gguf, args.batch, args.prompt, args.gen, args.ft_args.split(),
-                           Path(tmp) / "ft.json")
+        ft.append(run_freetoken(args.gguf, args.batch, args.prompt, args.gen,
+                                args.ft_args.split(), Path(tmp) / "ft.json"))
+        if args.cache_backends:
+            ft.append(run_freetoken(
+                args.gguf, args.cache_batch, args.prompt, args.gen,
+                ["--moe-backends", args.cache_backends, "--moe-cache-rates", args.cache_rate,
+                 *args.ft_args.split()], Path(tmp) / "ft_cache.json"))
+    ncmoe = [0] + [int(n) for n in args.n_cpu_moe.split(",") if n.strip()]
     lc = run_llama_bench(binary, args.gguf, args.threads, args.prompt, args.gen,
-                         args.llama_args.split())
+                         args.llama_args.split(), ncmoe)
     rows = table(ft, lc, args.prompt)
-    print(f"\n{args.gguf.name}, {ft.get('device_name')}; llama.cpp: {binary}")
+    print(f"\n{args.gguf.name}, {ft[0].get('device_name')}; llama.cpp: {binary}")
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps({"freetoken": ft, "llama.cpp": lc, "table": rows},

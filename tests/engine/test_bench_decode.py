@@ -86,9 +86,16 @@ def test_bench_refuses_bad_sizes(tmp_path):
 
 TINY_GGUF = ["--layers", "2", "--vocab", "512", "--hidden", "256", "--heads", "4", "--kv-heads",
              "2", "--head-dim", "64", "--experts", "4", "--top-k", "2", "--expert-ff", "256"]
+# llama-bench's JSON rows: with -ncmoe, one pair of rows per value (here always 0 and 2)
 FAKE_LLAMA_BENCH = """#!/bin/sh
 echo "llama-bench log line"
-echo '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 400.0}, {"n_prompt": 0, "n_gen": 2, "avg_ts": 8.0}]'
+case "$*" in
+*-ncmoe*) echo '[{"n_cpu_moe": 0, "n_prompt": 16, "n_gen": 0, "avg_ts": 400.0},
+ {"n_cpu_moe": 0, "n_prompt": 0, "n_gen": 2, "avg_ts": 8.0},
+ {"n_cpu_moe": 2, "n_prompt": 16, "n_gen": 0, "avg_ts": 40.0},
+ {"n_cpu_moe": 2, "n_prompt": 0, "n_gen": 2, "avg_ts": 2.0}]' ;;
+*) echo '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 400.0}, {"n_prompt": 0, "n_gen": 2, "avg_ts": 8.0}]' ;;
+esac
 """
 
 
@@ -116,7 +123,23 @@ def test_bench_vs_llamacpp_with_a_stand_in_llama_bench(tmp_path):
     assert rows["decode batch 2 (tokens/s, aggregate)"]["llama.cpp"] is None
     pre = rows["prefill 16 (prompt tokens/s)"]
     assert pre["llama.cpp"] == 400.0 and pre["freetoken"] > 0
-    assert rep["freetoken"]["arch"] == "qwen3_moe" and not rep["freetoken"]["dummy_weights"]
+    ft = rep["freetoken"][0]
+    assert ft["arch"] == "qwen3_moe" and not ft["dummy_weights"]
+
+    # experts off the GPU: FreeToken's cpu backend faces llama-bench -ncmoe 2
+    subprocess.run([sys.executable, str(repo / "benchmarks" / "bench_vs_llamacpp.py"), "--gguf",
+                    str(gguf_path), "--llama", str(fake), "--batch", "1", "--prompt", "16",
+                    "--gen", "2", "--ft-args", "--prompt-len 4 --warmup 0 --torch-threads 1",
+                    "--n-cpu-moe", "2", "--cache-backends", "cpu", "--cache-rate", "0.5",
+                    "--json", str(out)], check=True, capture_output=True)
+    rep = json.loads(out.read_text())
+    assert set(rep["llama.cpp"]) == {"0", "2"}
+    cpu = [r for r in rep["table"] if r["freetoken_setup"] == "cpu, cache rate 0.5"]
+    b1 = next(r for r in cpu if r["measure"].startswith("decode batch 1"))
+    assert b1["llama_setup"] == "-ncmoe 2" and b1["llama.cpp"] == 2.0
+    assert b1["ratio"] == pytest.approx(b1["freetoken"] / 2.0)
+    fused = [r for r in rep["table"] if r["freetoken_setup"] == "all experts on the GPU"]
+    assert {r["llama_setup"] for r in fused} == {"all on the GPU"}
 
 
 def test_forward_failure_stops_the_bench(monkeypatch):
