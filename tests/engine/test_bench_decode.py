@@ -94,7 +94,8 @@ case "$*" in
  {"n_cpu_moe": 0, "n_prompt": 0, "n_gen": 2, "avg_ts": 8.0},
  {"n_cpu_moe": 2, "n_prompt": 16, "n_gen": 0, "avg_ts": 40.0},
  {"n_cpu_moe": 2, "n_prompt": 0, "n_gen": 2, "avg_ts": 2.0}]' ;;
-*) echo '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 400.0}, {"n_prompt": 0, "n_gen": 2, "avg_ts": 8.0}]' ;;
+*) echo '[{"n_prompt": 16, "n_gen": 0, "avg_ts": 400.0},
+ {"n_prompt": 0, "n_gen": 2, "avg_ts": 8.0}]' ;;
 esac
 """
 
