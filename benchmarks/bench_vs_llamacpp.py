@@ -18,7 +18,10 @@ of its vendor/llama.cpp without `models/` (tokenizer test vocabularies) and `doc
 builds the same llama-bench (tests and examples are not configured, so nothing reads those).
 Checked on the CPU-only development machine (2026-11-30): llama-bench built from that tarball
 (`-DGGML_CUDA=OFF -DGGML_NATIVE=OFF`) loads and runs small files of make_random_gguf.py with
-Q4_K and with NVFP4 experts, and this script parses its output.
+Q4_K and with NVFP4 experts, and this script parses its output. On the GPU machine the build
+(about 7 minutes) and the runs do not fit one 10-minute device call:
+benchmarks/llamacpp_gpu.sh builds a static llama-bench in one call and packs it to be carried
+into the next.
 
 llama-bench runs `-ngl 99 -t THREADS -p PROMPT -n GEN -o json` (batch-1 decode and a prompt of
 PROMPT tokens, both in tokens/s); FreeToken runs `ft bench decode` at every --batch with the

@@ -22,7 +22,7 @@ FFN 768 (three chunks of 256 per route, 24 unrolled chunk bodies a program) the 
 quantized by gate/up (below) the per-route kernel won at 1 token for FFN 512 too, so the
 down-and-sum kernel runs from `DOWN_SUM_TOKENS` tokens. The GEMVs multiply in int8 where the
 format and a 16-bit x allow (`gemv_i8.py`), else in fp32 (`gemv.py`); x may come quantized
-by the RMSNorm before (`kernels/xq.py`), and for NVFP4 gate/up stores a quantized
+by the RMSNorm before (`kernels/xq.py`), and for NVFP4 from two tokens gate/up stores a quantized
 (`QUANT_A_FORMATS`).
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
