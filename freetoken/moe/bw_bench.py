@@ -2,7 +2,11 @@
 
 Per expert format, in one run (a layer shape of the seed's headline model, 2048x512 top-8):
 - cpu: the CPU executor's expert GB/s (whole layers at batch 1, random routing, experts cycled
-  from a host pool larger than the last-level cache; bytes of the experts touched / time);
+  from a host pool larger than the last-level cache; bytes of the experts touched / time), the
+  median of ROUNDS rounds; rounds that disagree by more than SPREAD_WARN are reported, since a
+  machine whose memory bandwidth varies gives a split that fits none of its moments (seen on
+  the H200 hosts: one measured its executor at 44 GB/s for a whole run, then decoded at the
+  speed of 77; the others' rounds agreed within 15%);
 - pcie: the GB/s of expert-sized host-to-device copies (each expert's w13, w2 and block
   scales, from pinned host banks into random slots of a device pool) on a copy stream;
 - fill: the same experts fetched by the slot-fill kernel, as decode steps fetch them inside a
@@ -19,6 +23,7 @@ measured, and the output says so.
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 
@@ -34,6 +39,8 @@ FORMATS = {"nvfp4": ("nvfp4", "nvfp4"), "q4_k": ("Q4_K", "Q4_K"), "q4_k_m": ("Q4
            "q8_0": ("Q8_0", "Q8_0")}
 SHAPE = (2048, 512, 8, 256)  # hidden, expert FFN, top-k, experts: Qwen3.6-35B-A3B's layers
 MiB = 1 << 20
+ROUNDS = 3  # of the executor alone
+SPREAD_WARN = 0.15  # (max - min) / median of the rounds above which the output says so
 
 
 def _parse_formats(text: str) -> list[str]:
@@ -182,10 +189,18 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
     lb = LayerBench(shape, budget)
     cpu = CpuSide(lb, CpuMoeExecutor(threads))
     cpu.run(min(0.1, seconds))  # warm-up: pool wake-up, first touches
+    rounds = [cpu.run(seconds / ROUNDS) for _ in range(ROUNDS)]
+    mid = statistics.median(rounds)
+    spread = (max(rounds) - min(rounds)) / mid if mid > 0 else 0.0
+    if spread > SPREAD_WARN:
+        log(f"  {fmt}: the executor's rounds disagree by {spread:.0%} "
+            f"({', '.join(f'{r:.1f}' for r in rounds)} GB/s): this machine's memory bandwidth "
+            "varied during the run, so q* and the ceilings may not fit it; run `ft bench bw` "
+            "again on a quiet machine")
     res = {"format": fmt, "shape": shape.label, "expert_bytes": lb.expert_bytes,
            "threads": threads, "host_pool_bytes": lb.expert_bytes * lb.layers * lb.experts,
-           "cpu_gbps": cpu.run(seconds), "pcie_gbps": None, "cpu_both_gbps": None,
-           "pcie_both_gbps": None}
+           "cpu_gbps": mid, "cpu_rounds_gbps": rounds, "cpu_spread": spread,
+           "pcie_gbps": None, "cpu_both_gbps": None, "pcie_both_gbps": None}
     if torch.cuda.is_available():
         res["pcie_gbps"], res["cpu_both_gbps"], res["pcie_both_gbps"] = \
             _fetch_path(cpu, PcieSide(lb), seconds)

@@ -75,6 +75,26 @@ def test_profile_with_pcie_sets_q_star(cache):
     assert int(fetch_policy("hybrid", 2, prof)(torch.tensor(8))) == 2
 
 
+def test_rounds_that_disagree_are_reported(monkeypatch):
+    """The executor's figure is the median of its rounds; a spread above SPREAD_WARN is said
+    (a split measured while the machine's bandwidth moved fits none of its moments)."""
+    if torch.cuda.is_available():
+        pytest.skip("the PCIe sides would run the executor again (CPU-only check)")
+    for figures, warned in (([100.0, 60.0, 100.0], True), ([100.0, 95.0, 104.0], False)):
+        left = [1.0, *figures]  # the warm-up round first
+        monkeypatch.setattr(bw_bench.CpuSide, "run",
+                            lambda self, seconds, stop=None, left=left: left.pop(0))
+        logs: list[str] = []
+        res = bw_bench.measure("nvfp4", 1, 24 * bw_bench.MiB, 0.03, log=logs.append)
+        assert res["cpu_rounds_gbps"] == figures and not left
+        assert res["cpu_gbps"] == sorted(figures)[1]
+        assert res["cpu_spread"] == pytest.approx((max(figures) - min(figures)) / 100.0)
+        said = [m for m in logs if "rounds disagree" in m]
+        assert bool(said) == warned
+        if warned:
+            assert "100.0, 60.0, 100.0 GB/s" in said[0]
+
+
 def test_unknown_format_is_named(cache):
     with pytest.raises(ValueError, match="unknown mxfp9"):
         bw_bench.run("nvfp4,mxfp9", save=False)
