@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton.quant import _e4m3, _f16, _k4_scale_min, decode_tile
+from freetoken.kernels.triton.quant import _e4m3, _f16, _f16_bits, _k4_scale_min, decode_tile
 
 
 @triton.jit
@@ -22,8 +22,7 @@ def _e2m1_scaled(c):
     """E2M1 code -> its value times 2^-14, via the f16 bit pattern (s, e1 e0 -> exponent low
     bits, m -> mantissa top bit; E2M1's subnormal maps to f16's): one conversion, no selects
     (code 8 gives -0.0, which adds nothing to a sum)."""
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _f16_bits(((c & 7) << 9) | ((c & 8) << 12))
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from freetoken.kernels import xq
 from freetoken.kernels.triton import interpreting
-from freetoken.kernels.triton.quant import _e2m1x2_int
+from freetoken.kernels.triton.quant import _e2m1x2_int, _f16_bits
 
 I8_FORMATS = (1, 13, 18)  # NVFP4, Q4_K, split Q8_0
 
@@ -132,8 +132,7 @@ def _e4m3_div256(b):
     """E4M3 (fn) byte -> its value times 2^-8, through the f16 bit pattern (the exponent field
     moves as it is: biases 7 and 15 differ by 8; subnormals map to subnormals); NaN for
     0x7F / 0xFF as torch decodes them."""
-    bits = ((b & 127) << 7) | ((b & 128) << 8)
-    v = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    v = _f16_bits(((b & 127) << 7) | ((b & 128) << 8))
     return tl.where((b & 127) == 127, float("nan"), v)
 
 
@@ -274,9 +273,8 @@ def _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
                   * (xs_lo.to(tl.float32) * xd_lo)[None]
                   + _byte_pair(mn4, mn8, True).to(tl.float32)
                   * (xs_hi.to(tl.float32) * xd_hi)[None], axis=2)
-    d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return tl.sum(d * sums - dmin * mins, axis=1)
+    return tl.sum(_f16_bits(w0 & 0xFFFF) * sums - _f16_bits((w0 >> 16) & 0xFFFF) * mins,
+                  axis=1)
 
 
 @triton.jit

@@ -38,10 +38,15 @@ def _f32_bits(b):
 
 
 @triton.jit
+def _f16_bits(u):
+    """An f16 bit pattern (int32, 0 .. 65535) -> its value in fp32 (exact)."""
+    return u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _f16(p, mask):
     """Little-endian f16 at byte pointer p (any alignment) -> fp32 (exact)."""
-    u = _u8(p, mask) | (_u8(p + 1, mask) << 8)
-    return u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _f16_bits(_u8(p, mask) | (_u8(p + 1, mask) << 8))
 
 
 @triton.jit
