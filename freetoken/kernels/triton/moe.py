@@ -22,8 +22,8 @@ FFN 768 (three chunks of 256 per route, 24 unrolled chunk bodies a program) the 
 quantized by gate/up (below) the per-route kernel won at 1 token for FFN 512 too, so the
 down-and-sum kernel runs from `DOWN_SUM_TOKENS` tokens. The GEMVs multiply in int8 where the
 format and a 16-bit x allow (`gemv_i8.py`), else in fp32 (`gemv.py`); x may come quantized
-by the RMSNorm before (`kernels/xq.py`), and for NVFP4 from two tokens gate/up stores a quantized
-(`QUANT_A_FORMATS`).
+by the RMSNorm before (`kernels/xq.py`), and for NVFP4 from two tokens on gate/up stores its
+GLU output quantized for down (`QUANT_A_FORMATS`, `QUANT_A_TOKENS`).
 Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
 ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
 `moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows decoded
@@ -321,9 +321,10 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
 
 def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
               tiles: tuple[int, int, int, int] | None,
-              tokens: int = 2) -> tuple[int, int, int, bool] | None:
-    """(BN, BK, num_warps, True) of a decode kernel in int8 dots (gemv_i8.py) over K, or None
-    for the fp32 GEMV (format, activation dtype, the switch, or chunks that do not tile K).
+              tokens: int) -> tuple[int, int, int, bool] | None:
+    """(BN, BK, num_warps, True) of a decode kernel in int8 dots (gemv_i8.py) over K for a
+    step of `tokens` tokens, or None for the fp32 GEMV (format, activation dtype, the switch,
+    or chunks that do not tile K).
     `tiles` (BM, BN, BK, num_warps) overrides the choice, as for the fp32 GEMV (BK: at most,
     halved until it tiles K: gate / up and down have different K's)."""
     if not use_i8(fmt, dtype):
