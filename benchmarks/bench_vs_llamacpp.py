@@ -19,7 +19,8 @@ builds the same llama-bench (tests and examples are not configured, so nothing r
 Checked on the CPU-only development machine (2026-11-30): llama-bench built from that tarball
 (`-DGGML_CUDA=OFF -DGGML_NATIVE=OFF`) loads and runs small files of make_random_gguf.py with
 Q4_K and with NVFP4 experts, and this script parses its output. On the GPU machine the build
-(about 7 minutes) and the runs do not fit one 10-minute device call:
+(62% done after 4.5 minutes there, sharing the CPU) and the runs do not fit one 10-minute
+device call:
 benchmarks/llamacpp_gpu.sh builds a static llama-bench in one call and packs it to be carried
 into the next.
 
@@ -127,6 +128,19 @@ def _run(cmd: list[str], cwd: Path | None = None, capture: bool = False) -> str:
     return res.stdout or ""
 
 
+def _layer_counts(text: str) -> list[int]:
+    """--n-cpu-moe: comma-separated layer counts (positive integers)."""
+    bad = argparse.ArgumentTypeError(f"expected comma-separated positive layer counts, "
+                                     f"got {text!r}")
+    try:
+        out = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise bad from None
+    if any(n <= 0 for n in out):
+        raise bad
+    return out
+
+
 def _setup(r: dict) -> str:
     """FreeToken's setting of a bench row: fused (every expert on the GPU) or backend@rate."""
     if r.get("moe_backend") is None:
@@ -144,7 +158,7 @@ def table(ft: list[dict], lc: dict[int, dict[str, float]], prompt: int) -> list[
                 fused = r.get("moe_backend") is None
                 peers = [0] if fused else [n for n in lc if n > 0] or [None]
                 for n in peers:
-                    lcr = lc.get(n, {}) if n is not None else {}
+                    lcr = lc.get(n, {})
                     if kind == "decode":
                         measure = f"decode batch {r['batch']} (tokens/s, aggregate)"
                         theirs = lcr.get("decode_b1") if r["batch"] == 1 else None
@@ -189,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen", type=int, default=128, help="decode tokens (llama-bench -n)")
     p.add_argument("--llama-args", default="", help="extra llama-bench arguments")
     p.add_argument("--ft-args", default="", help="extra ft bench decode arguments")
-    p.add_argument("--n-cpu-moe", default="",
+    p.add_argument("--n-cpu-moe", type=_layer_counts, default=[],
                    help="also llama-bench with the experts of this many layers on the CPU "
                    "(comma-separated, e.g. 43,48: llama-bench -ncmoe)")
     p.add_argument("--cache-backends", default="",
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.gguf, args.cache_batch, args.prompt, args.gen,
                 ["--moe-backends", args.cache_backends, "--moe-cache-rates", args.cache_rate,
                  *args.ft_args.split()], Path(tmp) / "ft_cache.json"))
-    ncmoe = [0] + [int(n) for n in args.n_cpu_moe.split(",") if n.strip()]
+    ncmoe = [0] + args.n_cpu_moe
     lc = run_llama_bench(binary, args.gguf, args.threads, args.prompt, args.gen,
                          args.llama_args.split(), ncmoe)
     rows = table(ft, lc, args.prompt)

@@ -3,10 +3,11 @@
 Per expert format, in one run (a layer shape of the seed's headline model, 2048x512 top-8):
 - cpu: the CPU executor's expert GB/s (whole layers at batch 1, random routing, experts cycled
   from a host pool larger than the last-level cache; bytes of the experts touched / time), the
-  median of ROUNDS rounds; rounds that disagree by more than SPREAD_WARN are reported, since a
-  machine whose memory bandwidth varies gives a split that fits none of its moments (seen on
-  the H200 hosts: one measured its executor at 44 GB/s for a whole run, then decoded at the
-  speed of 77; the others' rounds agreed within 15%);
+  median of ROUNDS rounds; rounds that disagree by more than SPREAD_WARN are reported: a
+  machine whose memory bandwidth moves during the run gives a split that fits none of its
+  moments (three back-to-back runs on one H200 host agreed within 15%). A machine slow for the
+  whole run is not caught this way (one H200 host measured its executor at 44 GB/s throughout,
+  then decoded at the speed of 77);
 - pcie: the GB/s of expert-sized host-to-device copies (each expert's w13, w2 and block
   scales, from pinned host banks into random slots of a device pool) on a copy stream;
 - fill: the same experts fetched by the slot-fill kernel, as decode steps fetch them inside a
