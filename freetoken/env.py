@@ -58,6 +58,13 @@ def gpu_int8_dot() -> bool:
         "0", "false", "no", "off")
 
 
+def gpu_norm_route() -> bool:
+    """FREETOKEN_GPU_NORM_ROUTE=0: the post-attention RMSNorm and the MoE router run as two
+    launches at decode sizes instead of one (`kernels.route.add_rms_norm_route`)."""
+    return os.environ.get("FREETOKEN_GPU_NORM_ROUTE", "").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def gpu_pdl() -> int:
     """FREETOKEN_GPU_PDL=1: the GPU's decode kernels launch programmatically dependent
     (`kernels/triton/pdl.py`: the next kernel launched while the one before it finishes,

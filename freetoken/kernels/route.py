@@ -11,9 +11,13 @@ sizes on CUDA, computes the router's logits in the same launch. Scoring as
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from freetoken import env
 from freetoken.formats.qweight import QuantWeight
+from freetoken.kernels import xq
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -94,3 +98,52 @@ def gate_topk(x: torch.Tensor, gate: QuantWeight, top_k: int, scoring: str = "so
     from freetoken.kernels.linear import linear
 
     return route_topk(linear(x, gate).float(), top_k, scoring, renormalize, bias)
+
+
+class Router(NamedTuple):
+    """An MoE layer's router, as `gate_topk` takes it (`SparseMoE.router`)."""
+
+    gate: QuantWeight
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+    bias: torch.Tensor | None = None
+
+
+_ROUTES = "_freetoken_routes"
+
+
+def routes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (ids, weights) `add_rms_norm_route` computed with this very tensor, else None."""
+    return xq.tagged(x, _ROUTES)
+
+
+def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float, quantize: bool, router: Router
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.add_rms_norm`, and where the GPU can, the router's routes of its output in
+    the same launch, carried by it (`routes_of`): the MoE that takes y skips its own router
+    launch. On CUDA at decode sizes (what `gate_topk` fuses, H <= NORM_ROUTE_MAX_H, a 16-bit
+    activation) unless FREETOKEN_GPU_NORM_ROUTE=0; elsewhere the plain residual step."""
+    from freetoken.kernels.norm import _check as norm_check
+    from freetoken.kernels.norm import _on_gpu as norm_on_gpu
+    from freetoken.kernels.norm import add_rms_norm
+
+    norm_check(x, weight, residual)
+    bias = None if router.scoring == "softmax" else router.bias
+    h = x.shape[-1]
+    fuse = (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and env.gpu_norm_route() and norm_on_gpu(x, weight) and x.stride(-1) == 1
+            and residual.stride(-1) == 1 and h == router.gate.in_features
+            and _gate_on_gpu(x, router.gate, bias))
+    if fuse:
+        from freetoken.kernels.triton.route import NORM_ROUTE_MAX_H, norm_gate_route_triton
+
+        fuse = h <= NORM_ROUTE_MAX_H
+    if not fuse:
+        return add_rms_norm(x, residual, weight, eps, quantize)
+    _check(x.new_empty(0, router.gate.out_features), router.top_k, router.scoring, bias)
+    y, s, q, ids, w = norm_gate_route_triton(
+        x, residual, weight, eps, quantize and xq.wanted(x), router.gate.data, router.top_k,
+        router.scoring == "sigmoid", router.renormalize, bias)
+    return xq.tag(xq.attach(y, q), _ROUTES, (ids, w)), s

@@ -37,20 +37,31 @@ def wanted(x: torch.Tensor) -> bool:
             and int8_dots(x.dtype))
 
 
+def tag(y: torch.Tensor, attr: str, value) -> torch.Tensor:
+    """y, carrying `value` under `attr` for `tagged`: something its producer computed from it
+    for a consumer that would otherwise compute it again (its int8 codes here, its MoE routes
+    in `kernels.route`)."""
+    setattr(y, attr, (value, y.data_ptr(), tuple(y.shape)))
+    return y
+
+
+def tagged(x: torch.Tensor, attr: str):
+    """The value `tag` gave this very tensor (same storage and shape), else None."""
+    entry = getattr(x, attr, None)
+    if entry is None:
+        return None
+    value, ptr, shape = entry
+    return value if ptr == x.data_ptr() and shape == tuple(x.shape) else None
+
+
 def attach(y: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
     """y, carrying its quantized rows q (int32 [rows, xq_len(K)]) for `attached`."""
-    if q is not None:
-        setattr(y, _ATTR, (q, y.data_ptr(), tuple(y.shape)))
-    return y
+    return tag(y, _ATTR, q) if q is not None else y
 
 
 def attached(x: torch.Tensor) -> torch.Tensor | None:
     """The quantized rows `attach` gave this very tensor (same storage and shape), else None."""
-    entry = getattr(x, _ATTR, None)
-    if entry is None:
-        return None
-    q, ptr, shape = entry
-    return q if ptr == x.data_ptr() and shape == tuple(x.shape) else None
+    return tagged(x, _ATTR)
 
 
 def view(x: torch.Tensor, *shape: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from freetoken.formats.errors import FormatError
 from freetoken.formats.qweight import QuantWeight
-from freetoken.kernels.route import gate_topk
+from freetoken.kernels.route import Router, gate_topk, routes_of
 from freetoken.layers.linear import Linear
 from freetoken.layers.mlp import GatedMLP
 from freetoken.moe.backends import get_backend
@@ -177,10 +177,19 @@ class SparseMoE(nn.Module):
             return None
         return qw.data.reshape(-1)
 
+    @property
+    def router(self) -> Router:
+        """The router as `gate_topk` and the fused norm + router
+        (`kernels.route.add_rms_norm_route`) take it."""
+        s = self.spec
+        bias = self.e_score_correction_bias.value if s.scoring == "sigmoid" else None
+        return Router(self.gate.weights[0], s.top_k, s.scoring, s.renormalize, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.e_score_correction_bias.value if self.spec.scoring == "sigmoid" else None
-        s = self.spec  # router GEMV and top-k: one launch at decode sizes on CUDA
-        ids, w = gate_topk(x, self.gate.weights[0], s.top_k, s.scoring, s.renormalize, bias)
+        # routes computed with x by the norm before (one launch for both), else router GEMV
+        # and top-k here: one launch at decode sizes on CUDA
+        routed = routes_of(x)
+        ids, w = routed if routed is not None else gate_topk(x, *self.router)
         if not self.spec.shared_intermediate:
             return self.experts(x, ids, w)
         # the shared expert as side work: an expert-cache backend overlaps it with the CPU

@@ -12,6 +12,7 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.formats.errors import FormatError
+from freetoken.kernels.route import Router, add_rms_norm_route
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +40,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps, self.quantize)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor, router: Router | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm decoder's residual step (one
-        launch on the GPU; the sum is rounded to x's dtype first, as `x + residual` is)."""
+        launch on the GPU; the sum is rounded to x's dtype first, as `x + residual` is).
+        `router`: the MoE that takes the output; where the GPU can, its routes are computed in
+        the same launch and carried by the output (`kernels.route.add_rms_norm_route`)."""
+        if router is not None:
+            return add_rms_norm_route(x, residual, self.weight, self.eps, self.quantize,
+                                      router)
         return kernels.add_rms_norm(x, residual, self.weight, self.eps, self.quantize)

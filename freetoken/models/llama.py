@@ -38,9 +38,9 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        h, residual = self.post_attention_layernorm.forward_add(self.self_attn(h, ctx, rope),
-                                                                residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.forward_add(
+            self.self_attn(h, ctx, rope), residual, getattr(self.mlp, "router", None))
+        return self.mlp(h), residual  # an MoE's routes may come with h (one launch fewer)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -82,8 +82,11 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.mlp = SparseMoE(moe_spec(cfg))
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, HF_ACT[cfg.hidden_act])
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=True)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=True)
+        # both norms feed linears / the MoE directly: quantized once for their int8 GEMVs
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, plus_one=True,
+                                       quantize=True)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                plus_one=True, quantize=True)
 
     def forward(self, x, residual, ctx: ForwardContext, rope):
         if residual is None:
@@ -91,8 +94,9 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:  # the residual sum and the norm in one launch on the GPU
             h, residual = self.input_layernorm.forward_add(x, residual)
         x = self.linear_attn(h, ctx) if self.linear else self.self_attn(h, ctx, rope)
-        h, residual = self.post_attention_layernorm.forward_add(x, residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.forward_add(
+            x, residual, getattr(self.mlp, "router", None))
+        return self.mlp(h), residual  # an MoE's routes may come with h (one launch fewer)
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +24,24 @@ if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (
 
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_cases as cases  # noqa: E402
+
 from freetoken.formats.qweight import QuantWeight  # noqa: E402
-from freetoken.kernels.route import gate_topk, route_reference, route_topk  # noqa: E402
-from freetoken.kernels.triton.route import gate_route_triton, route_triton  # noqa: E402
+from freetoken.kernels import add_rms_norm  # noqa: E402
+from freetoken.kernels.route import (  # noqa: E402
+    Router,
+    add_rms_norm_route,
+    gate_topk,
+    route_reference,
+    route_topk,
+    routes_of,
+)
+from freetoken.kernels.triton.route import (  # noqa: E402
+    gate_route_triton,
+    norm_gate_route_triton,
+    route_triton,
+)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -149,6 +165,99 @@ def test_entry_cuda() -> None:
     ref_ids, ref_w = route_reference(logits.cuda(), 8, "softmax", True)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-7)
+
+
+# -- the post-attention residual step and the router in one launch -----------------------------
+def _norm_case(t: int, e: int, h: int, seed: int):
+    """x, residual [t, h], norm weight [h], gate [e, h]: s = x + residual is mostly the unit
+    vector i for token i, so y = rms_norm(s) ~ sqrt(h) w_i e_i; w_i = (1 + u_i) / sqrt(h) with
+    a small u_i, so y ~ (1 + u_i) e_i and token i's logits are _logits' row i scaled by
+    1 + u_i: the same order and gaps."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=gen) * 1e-3
+    r = torch.eye(t, h) + torch.randn(t, h, generator=gen) * 1e-3
+    nw = (1 + 0.05 * torch.rand(h, generator=gen)) / h ** 0.5
+    gate = torch.randn(e, h, generator=gen) * 1e-3
+    gate[:, :t] = _logits(t, e, seed).T
+    return x, r, nw, gate
+
+
+def _norm64(x, r, nw, eps):
+    s = x.double() + r.double()
+    return s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+
+
+@pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True)])
+def test_norm_gate_route_fp32(scoring: str, with_bias: bool) -> None:
+    """fp32: s = x + residual exactly as torch adds, y within 1e-6 of float64 (a 96-term sum
+    of squares in fp32), routes of y as `_check` bounds them (61 experts: a partial last block
+    of two; 96 wide: a masked row tail)."""
+    t, e, h, k, eps = 3, 61, 96, 4, 1e-6
+    x, r, nw, gate = _norm_case(t, e, h, seed=31)
+    bias = torch.rand(e, generator=torch.Generator().manual_seed(2)) * 0.01 if with_bias \
+        else None
+    y64 = _norm64(x, r, nw, eps)
+    want = _ref64(y64 @ gate.double().T, k, scoring, True, bias)
+    for _ in range(2):  # the arrival counters are back at zero after a call
+        y, s, q, ids, w = norm_gate_route_triton(
+            x.to(DEV), r.to(DEV), nw.to(DEV), eps, False, gate.to(DEV), k, scoring == "sigmoid",
+            True, bias.to(DEV) if bias is not None else None)
+        assert q is None
+        assert torch.equal(s.cpu(), x + r)
+        torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-6, atol=1e-9)
+        _check(ids, w, want)
+
+
+def test_norm_gate_route_bf16_codes() -> None:
+    """bf16 as the models run it: s = x + residual rounded as torch rounds it, y within one
+    bf16 unit of the float64 norm of that s (under the interpreter, which truncates to bf16,
+    as test_triton_norm.py allows), y's int8 codes exactly the quantizer's of y
+    (`triton_cases.check_codes`), and the routes those of y's own logits in float64: ids
+    equal (neighbouring logits are 4 or more bf16 units apart), weights within 4% (a logit
+    summed in fp32 may round to the bf16 neighbour of the float64 one: 1.6% per weight, see
+    test_gate_topk_bf16_cuda)."""
+    t, e, h, k, eps = 4, 128, 256, 8, 1e-6
+    x, r, nw, gate = _norm_case(t, e, h, seed=7)
+    x, r, gate = x.bfloat16(), r.bfloat16(), gate.bfloat16()
+    y, s, q, ids, w = norm_gate_route_triton(x.to(DEV), r.to(DEV), nw.to(DEV), eps, True,
+                                             gate.to(DEV), k, False, True, None)
+    s_want = x + r
+    if CUDA:
+        assert torch.equal(s.cpu(), s_want)
+    else:  # the interpreter converts fp32 to bf16 by truncation (test_triton_norm.py)
+        assert bool(((s.cpu() - s_want).abs() <= 2 ** -7 * s_want.abs()).all())
+    y64 = _norm64(s.cpu(), torch.zeros_like(s_want), nw, eps)
+    torch.testing.assert_close(y.cpu().double(), y64, rtol=2 ** -8 if CUDA else 2 ** -6,
+                               atol=1e-6)
+    cases.check_codes(q, y)
+    logits = (y.cpu().double() @ gate.double().T).to(torch.bfloat16).double()
+    want_ids, _ = _ref64(logits, k, "softmax", True, None)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), route_reference(logits.float(), k, "softmax", True)[1],
+                               rtol=0.04, atol=0)
+
+
+def test_add_rms_norm_route_entry() -> None:
+    """The entry point: on CUDA at bf16 the routes come with y (`routes_of`) and equal the
+    router's own on y (`gate_topk`), y and s those of `add_rms_norm`; elsewhere (CPU, fp32)
+    it is `add_rms_norm` and y carries no routes (the MoE routes for itself)."""
+    t, e, h, k = 2, 64, 128, 4
+    x, r, nw, gate = _norm_case(t, e, h, seed=5)
+    dt = torch.bfloat16 if CUDA else torch.float32
+    x, r, gate = x.to(DEV, dt), r.to(DEV, dt), gate.to(DEV, dt)
+    router = Router(QuantWeight(gate, "bf16" if CUDA else "f32", (e, h)), k)
+    y, s = add_rms_norm_route(x, r, nw.to(DEV), 1e-6, True, router)
+    y_ref, s_ref = add_rms_norm(x, r, nw.to(DEV), 1e-6)
+    assert torch.equal(s, s_ref)
+    torch.testing.assert_close(y, y_ref, rtol=2 ** -8 if CUDA else 0, atol=0)
+    routed = routes_of(y)
+    if not CUDA:
+        assert routed is None
+        return
+    assert routed is not None and routes_of(y.clone()) is None
+    ids, w = gate_topk(y, *router)
+    assert torch.equal(routed[0], ids)
+    torch.testing.assert_close(routed[1], w, rtol=1e-5, atol=1e-7)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.pdl import wait
 
 
@@ -90,6 +91,16 @@ def _gate_route_kernel(x_ptr, g_ptr, logits_ptr, count_ptr, bias_ptr, ids_ptr, w
         xv = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
         acc += tl.sum(g * xv[None, :], axis=1)
     logit = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # F.linear's output dtype (HF)
+    _store_and_route(logit, eb, eb_ok, t, E, logits_ptr, count_ptr, bias_ptr, ids_ptr, w_ptr,
+                     SIGMOID, HAS_BIAS, RENORM, TOPK, BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _store_and_route(logit, eb, eb_ok, t, E, logits_ptr, count_ptr, bias_ptr, ids_ptr, w_ptr,
+                     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                     TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's logits of experts eb into logits [T, E] (fp32 scratch); the last of token
+    t's programs to arrive routes the token."""
     tl.store(logits_ptr + t * E + eb, logit, mask=eb_ok)
     # All threads' stores, then one release (cumulative over the barrier): the program that
     # counts last sees every program's logits.
@@ -103,6 +114,46 @@ def _gate_route_kernel(x_ptr, g_ptr, logits_ptr, count_ptr, bias_ptr, ids_ptr, w
                     cache_modifier=".cg")  # from L2: other SMs wrote them
         _route_row(x, e, ok, t, bias_ptr, ids_ptr, w_ptr, SIGMOID, HAS_BIAS, RENORM, TOPK,
                    BLOCK_E, BLOCK_K)
+
+
+@triton.jit
+def _norm_gate_route_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, logits_ptr,
+                            count_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_x, stride_r,
+                            stride_y, stride_s, stride_q, stride_g, eps, H: tl.constexpr,
+                            QUANT: tl.constexpr, SIGMOID: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, TOPK: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BE: tl.constexpr,
+                            BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (t, b): s = x + residual and y = rms_norm(s) of token t (norm.py's arithmetic,
+    recomputed by each of the token's programs from 2 H values), stored with y's int8 codes by
+    program b = 0; then the router's logits of experts [b BE, (b + 1) BE) from y, and the
+    token's last program routes it (as `_gate_route_kernel`)."""
+    wait(PDL)  # pdl.py: the kernel before has completed
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_H)
+    ok = cols < H
+    x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
+    r = tl.load(r_ptr + t * stride_r + cols, mask=ok, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's add
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    nw = tl.load(nw_ptr + cols, mask=ok, other=0.0)
+    y = (xf * inv * nw).to(y_ptr.dtype.element_ty)
+    if b == 0:
+        tl.store(s_ptr + t * stride_s + cols, x, mask=ok)
+        tl.store(y_ptr + t * stride_y + cols, y, mask=ok)
+        if QUANT:  # the int8 GEMVs' activation, as the RMSNorm kernel quantizes it
+            quant_store(tl.reshape(y.to(tl.float32), (1, BLOCK_H)), q_ptr + t * stride_q, 0,
+                        tl.arange(0, 1) < 1, H)
+    eb = b * BE + tl.arange(0, BE)
+    eb_ok = eb < E
+    g = tl.load(g_ptr + eb[:, None].to(tl.int64) * stride_g + cols[None, :],
+                mask=eb_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+    logit = tl.sum(g * y.to(tl.float32)[None, :], axis=1)
+    logit = logit.to(y_ptr.dtype.element_ty).to(tl.float32)  # F.linear's output dtype (HF)
+    _store_and_route(logit, eb, eb_ok, t, E, logits_ptr, count_ptr, bias_ptr, ids_ptr, w_ptr,
+                     SIGMOID, HAS_BIAS, RENORM, TOPK, BLOCK_E, BLOCK_K)
 
 
 def _outputs(t: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,3 +219,39 @@ def gate_route_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, sigmoid: 
         RENORM=renormalize, TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         BE=be, BK=min(2048, triton.next_power_of_2(h)), num_warps=warps, **pdl.opts())
     return ids, w
+
+
+NORM_ROUTE_MAX_H = 4096  # the fused norm + router keeps a whole row in each program
+
+
+def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
+                           eps: float, quantize: bool, gate: torch.Tensor, top_k: int,
+                           sigmoid: bool, renormalize: bool, bias: torch.Tensor | None,
+                           be: int = 2, warps: int = 1):
+    """The post-attention residual step and the MoE router in one launch: x, residual [T, H]
+    (T <= GATE_TOKENS, H <= NORM_ROUTE_MAX_H, unit stride in H), norm_w fp32 [H], gate [E, H]
+    in x's dtype -> (y = rms_norm(x + residual), x + residual, y's int8 codes with `quantize`
+    else None, ids, weights): `rms_norm_triton`'s three outputs and `gate_route_triton`'s
+    routes of y. Checked by `freetoken.kernels.route.add_rms_norm_route`."""
+    t, h = x.shape
+    e = gate.shape[0]
+    y = torch.empty_like(x)
+    s = torch.empty_like(x)
+    q = torch.empty((t, xq_len(h)), dtype=torch.int32, device=x.device) if quantize else None
+    ids, w = _outputs(t, top_k, x.device)
+    if t == 0:
+        return y, s, q, ids, w
+    if quantize and h % 32:
+        raise ValueError(f"norm_gate_route: quantize needs a width that is a multiple of 32, "
+                         f"got {h}")
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
+    q_ = q if q is not None else y
+    _norm_gate_route_kernel[(t, triton.cdiv(e, be))](
+        x, residual, norm_w, y, s, q_, gate, logits, _counts(x.device),
+        bias if bias is not None else logits, ids, w, e, x.stride(0), residual.stride(0),
+        y.stride(0), s.stride(0), q_.stride(0), gate.stride(0), float(eps), H=h,
+        QUANT=quantize, SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renormalize,
+        TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
+        BE=be, BLOCK_H=triton.next_power_of_2(h), num_warps=warps, **pdl.opts(),
+        enable_fp_fusion=False)  # x * 127 / amax + 1/2 unfused, as in the RMSNorm kernel
+    return y, s, q, ids, w
