@@ -65,6 +65,14 @@ def gpu_norm_route() -> bool:
         "0", "false", "no", "off")
 
 
+def gpu_down_arrive_sum() -> bool:
+    """FREETOKEN_GPU_DOWN_SUM=0: at decode sizes the fused MoE sums each token's routes in a
+    launch of its own instead of in the down kernel's last-arriving program
+    (`kernels/triton/moe.py: _arrive_and_sum`)."""
+    return os.environ.get("FREETOKEN_GPU_DOWN_SUM", "").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 def gpu_pdl() -> int:
     """FREETOKEN_GPU_PDL=1: the GPU's decode kernels launch programmatically dependent
     (`kernels/triton/pdl.py`: the next kernel launched while the one before it finishes,

@@ -102,6 +102,23 @@ def test_triton_moe_matches_reference(f13, f2, tokens, act, tiles):
     _check(y, ref, mag, True)
 
 
+@pytest.mark.parametrize("f13,f2,tokens,act,tiles", [c for c in CASES if c[4][0] == 1])
+def test_down_kernel_sums_as_the_sum_kernel(f13, f2, tokens, act, tiles, monkeypatch):
+    """Decode: the token's routes summed by the down kernel's last-arriving program
+    (`_arrive_and_sum`) are the separate sum kernel's bits (the same fp32 adds in route order,
+    routes mapped to -1 adding their zero rows), on a second call too (counters reset)."""
+    bank, x, ids, w, emap, ref, mag = _case(f13, f2, tokens, act, tokens * 31 + len(f13))
+    dev_bank = ExpertBank(cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV),
+                          bank.scales.to(DEV))
+    args = (x.to(DEV), dev_bank, ids.to(DEV), w.to(DEV), act, emap.to(DEV),
+            None if CUDA else tiles)
+    monkeypatch.setenv("FREETOKEN_GPU_DOWN_SUM", "0")
+    want = fused_moe_triton(*args).cpu()
+    monkeypatch.delenv("FREETOKEN_GPU_DOWN_SUM")
+    for _ in range(2):
+        assert torch.equal(fused_moe_triton(*args).cpu(), want)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["nvfp4", "Q4_K", "Q8_0", "mxfp4", "MXFP4", "fp8_block"])
 @pytest.mark.parametrize("tokens", [1, 4, 16, 100])

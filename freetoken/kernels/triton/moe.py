@@ -6,8 +6,10 @@ one slot (`_align`); a program owns one block and BN output rows:
    (gate rows n, up rows I + n, decoded in registers), a[r, n] = glu(g, u), fp32;
 2. `_down_kernel`: y[r, :] = (a[r] Wd^T) * s[slot, 2] * route_weight[r], fp32 per route;
 then `_sum_routes_kernel` sums each token's k rows in fp32 and casts them (one launch):
-deterministic (no atomics), and a route whose expert maps to slot -1 keeps its zero row
-(another path computes it).
+deterministic (no atomics on the values), and a route whose expert maps to slot -1 keeps its
+zero row (another path computes it). At decode the sum needs no launch of its own: the last of
+a token's route programs to finish a row block adds the k rows in the same order
+(`_arrive_and_sum`, an arrival counter as the router's).
 Decode (few routes) uses BM = 1: one program per (route, row block) for gate / up, a GEMV over
 that expert's rows with no sort at all (vLLM's sort/align only pays off once several routes
 share an expert); block b is route b, whose slot is topk_ids[b] itself (or
@@ -37,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken import env
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.gemv_i8 import (
@@ -155,8 +158,11 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                  K: tl.constexpr, HIDDEN: tl.constexpr, FMT: tl.constexpr, DOT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
                  UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
-                 ASM: tl.constexpr = True, XQ: tl.constexpr = False, PDL: tl.constexpr = False):
-    """XQ: a_ptr / stride_am are a's rows quantized by `_gate_up_kernel` (QA)."""
+                 ASM: tl.constexpr = True, XQ: tl.constexpr = False,
+                 SUM: tl.constexpr = False, count_ptr=None, out_ptr=None, stride_om=0,
+                 TOPK: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """XQ: a_ptr / stride_am are a's rows quantized by `_gate_up_kernel` (QA). SUM (decode,
+    BM = 1): the token's routes' rows are also summed into out (`_arrive_and_sum`)."""
     wait(PDL)  # pdl.py: the kernel before has completed
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -165,6 +171,8 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
         if MAP:  # a route another path computes: its row reads zero (y is not cleared)
             zero = tl.zeros((BN,), dtype=tl.float32)
             tl.store(y_ptr + tl.program_id(0).to(tl.int64) * stride_ym + rn, zero, mask=n_ok)
+        if SUM:
+            _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om, TOPK)
         return
     w_rows, s_rows = _row_ptrs(w_ptr + slot.to(tl.int64) * stride_ws,
                                s_ptr + slot.to(tl.int64) * stride_ss, rn, stride_wn, stride_sn,
@@ -192,6 +200,31 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
     y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * r_w[:, None]
     out = y_ptr + routes[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
+    if SUM:
+        _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om, TOPK)
+
+
+@triton.jit
+def _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om,
+                    TOPK: tl.constexpr):
+    """Decode (program (route, row block)): the last of a token's TOPK route programs of this
+    row block to arrive (an atomic counter per token and row block, which it resets for the
+    next call: CUDA-graph safe) adds the token's rows of y in route order in fp32, as
+    `_sum_routes_kernel` does, into out in its dtype: the sum without a launch of its own."""
+    t = tl.program_id(0) // TOPK
+    counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    # All threads' stores, then one release (cumulative over the barrier): the program that
+    # counts last sees every route's row.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter, 1, sem="acq_rel")
+    if done == TOPK - 1:
+        tl.store(counter, 0)
+        acc = tl.zeros(rn.shape, dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * stride_ym + rn, mask=n_ok,
+                           other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rn,
+                 acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
@@ -495,12 +528,31 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         return out
     y = (torch.empty if expert_map is None or mapped else torch.zeros)(
         r, h, dtype=torch.float32, device=x.device)
-    _down_kernel[(nb, triton.cdiv(h, bn))](
+    n_blocks = triton.cdiv(h, bn)
+    # decode: the last route program of each (token, row block) sums the token's rows
+    sums = bm == 1 and t * n_blocks <= SUM_COUNTERS and env.gpu_down_arrive_sum()
+    _down_kernel[(nb, n_blocks)](
         a, w2, s2, scales, route_ids, block_slot, emap, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
         FMT=f2, DOT=dot, BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(f2, inter, bk),
         UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
+        SUM=sums, count_ptr=_sum_counts(x.device) if sums else None,
+        out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
         num_warps=warps, enable_fp_fusion=False, **pdl.opts())
-    _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
-                                                   num_warps=4, **pdl.opts())
+    if not sums:
+        _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
+                                                       num_warps=4, **pdl.opts())
     return out
+
+
+# Per-device arrival counters of the decode down kernel's sums (`_arrive_and_sum`), one per
+# token and row block, kept at zero between calls.
+SUM_COUNTERS = 16384
+_SUM_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _sum_counts(device: torch.device) -> torch.Tensor:
+    c = _SUM_COUNTS.get(device)
+    if c is None:
+        c = _SUM_COUNTS[device] = torch.zeros(SUM_COUNTERS, dtype=torch.int32, device=device)
+    return c
