@@ -31,7 +31,7 @@ from freetoken.kernels.triton.gemv_i8 import (
     use_i8,
     xq_len,
 )
-from freetoken.kernels.triton.pdl import wait
+from freetoken.kernels.triton.pdl import prefetch_l2, wait
 from freetoken.kernels.triton.quant import decode_tile
 from freetoken.kernels.triton.tiles import _dequant_kernel, fast_tile, has_fast_tile
 
@@ -69,9 +69,13 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
                 I8: tl.constexpr, ASM: tl.constexpr, XQ: tl.constexpr = False,
                 PDL: tl.constexpr = False):
     """XQ: x_ptr / stride_xm are the rows quantized ahead (`kernels.xq`), int8 GEMV only."""
-    wait(PDL)  # pdl.py: the kernel before has completed
     pid_m = tl.program_id(0)  # tokens vary fastest: programs that share rows run together
     pid_n = tl.program_id(1)
+    if BM == 1:  # decode with PDL: the weight rows on their way while the kernel before ends
+        rows = tl.minimum(N - pid_n * BN, BN)
+        prefetch_l2(w_ptr + pid_n.to(tl.int64) * BN * stride_wn,
+                    rows * stride_wn * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), PDL)
+    wait(PDL)  # pdl.py: the kernel before has completed
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N

@@ -63,6 +63,21 @@ def wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_l2(base, nbytes, PDL: tl.constexpr, LINES: tl.constexpr = 256):
+    """Before `wait`, with PDL: ask L2 for the bytes [base, base + nbytes) of something no
+    kernel writes (a GEMV's weight rows), one 128-byte line per lane of LINES and step, so
+    they stream in while the kernel before finishes and the loads after `wait` hit L2.
+    Without PDL the kernel starts after the one before anyway: nothing to overlap, a no-op."""
+    if PDL >= 1:
+        p = base.to(tl.pointer_type(tl.int8))
+        offs = tl.arange(0, LINES) * 128
+        for i in tl.range(0, nbytes, LINES * 128):
+            o = tl.minimum(i + offs, nbytes - 1)  # past the end: the last line again
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [p + o], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def opts() -> dict:
     """A decode kernel's launch options: its `PDL` constexpr and `launch_pdl`, together."""
     p = mode()

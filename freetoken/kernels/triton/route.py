@@ -128,11 +128,17 @@ def _norm_gate_route_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, lo
     recomputed by each of the token's programs from 2 H values), stored with y's int8 codes by
     program b = 0; then the router's logits of experts [b BE, (b + 1) BE) from y, and the
     token's last program routes it (as `_gate_route_kernel`)."""
-    wait(PDL)  # pdl.py: the kernel before has completed
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
+    eb = b * BE + tl.arange(0, BE)
+    eb_ok = eb < E
+    # the router's rows first: no kernel writes them, so their loads (from HBM) are issued
+    # before the wait and overlap it and the norm's loads (L2)
+    g = tl.load(g_ptr + eb[:, None].to(tl.int64) * stride_g + cols[None, :],
+                mask=eb_ok[:, None] & ok[None, :], other=0.0)
+    wait(PDL)  # pdl.py: the kernel before has completed
     x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
     r = tl.load(r_ptr + t * stride_r + cols, mask=ok, other=0.0)
     x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's add
@@ -146,11 +152,7 @@ def _norm_gate_route_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, lo
         if QUANT:  # the int8 GEMVs' activation, as the RMSNorm kernel quantizes it
             quant_store(tl.reshape(y.to(tl.float32), (1, BLOCK_H)), q_ptr + t * stride_q, 0,
                         tl.arange(0, 1) < 1, H)
-    eb = b * BE + tl.arange(0, BE)
-    eb_ok = eb < E
-    g = tl.load(g_ptr + eb[:, None].to(tl.int64) * stride_g + cols[None, :],
-                mask=eb_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
-    logit = tl.sum(g * y.to(tl.float32)[None, :], axis=1)
+    logit = tl.sum(g.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
     logit = logit.to(y_ptr.dtype.element_ty).to(tl.float32)  # F.linear's output dtype (HF)
     _store_and_route(logit, eb, eb_ok, t, E, logits_ptr, count_ptr, bias_ptr, ids_ptr, w_ptr,
                      SIGMOID, HAS_BIAS, RENORM, TOPK, BLOCK_E, BLOCK_K)
