@@ -473,6 +473,8 @@ def _main(config: EngineConfig, batches: list[int], prompt_len: int, tokens: int
                 tag = f"-{cfg.moe_backend}-{cfg.moe_cache_rate}"
                 path = f"{stem}{tag}.{ext}" if dot else profile_path + tag
             _profile_step(runner, batches[0], prompt_len, path)
+        if engine.moe is not None:  # the run's CPU threads stop before the next run's start
+            engine.moe.close()
         del runner, engine
         _release()
     if json_path:

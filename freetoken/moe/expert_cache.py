@@ -96,6 +96,14 @@ class ExpertCache:
                                     PREFILL_TOKENS)
         return self._handoff
 
+    def close(self) -> None:
+        """Stop the hand-off's worker thread and let the executor's pool go (the next engine
+        on the same model starts its own): idle, they still hold CPUs and poll."""
+        if self._handoff is not None:
+            self._handoff.close()
+            self._handoff = None
+        self._executor = None
+
     def graph_max_bs(self, max_bs: int) -> int:
         """The largest decode batch a CUDA graph may hold: any, when the CPU can take what
         the slots cannot (offload's leftovers inside a graph go to the CPU); else as many

@@ -160,6 +160,11 @@ class MoERuntime:
     def counters(self) -> dict[str, int]:
         return self.cache.counters()
 
+    def close(self) -> None:
+        """Stop the CPU side's threads (`ExpertCache.close`): before another engine takes the
+        model (`ft bench decode --moe-backends`), not left to the garbage collector."""
+        self.cache.close()
+
     def graph_max_bs(self, max_bs: int) -> int:
         """The largest decode batch captured as a CUDA graph with this backend."""
         return self.cache.graph_max_bs(max_bs)

@@ -54,6 +54,26 @@ def test_sweep_rows_and_counters(tmp_path):
             assert r["cpu_per_step"] == 0
 
 
+def test_sweep_stops_each_runs_cpu_threads(tmp_path, monkeypatch):
+    """Each run of the sweep stops its hand-off worker and lets its executor go before the next
+    run starts its own (on the H200 a cpu run measured after a hybrid one in the same process
+    decoded at a quarter of its speed alone): after the sweep no run's worker is left."""
+    from freetoken.moe import expert_cache
+
+    made = []
+    init = expert_cache.ExpertCache.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        made.append(self)
+
+    monkeypatch.setattr(expert_cache.ExpertCache, "__init__", spy)
+    assert _bench(tmp_path, "--moe-backends", "hybrid,cpu", "--moe-cache-rates", "0.25") == 0
+    assert len(made) == 2
+    for cache in made:
+        assert cache._handoff is None and cache._executor is None
+
+
 def test_sweep_refuses_the_flags_it_replaces(tmp_path):
     assert _bench(tmp_path, "--moe-backends", "cpu", "--moe-cache-rates", "0.5",
                   "--moe-backend", "hybrid") == 1
