@@ -21,6 +21,7 @@ the same counts, for comparison.
 
     python benchmarks/dummy_routing.py [--model qwen3-30b-a3b] [--formats nvfp4,q4_k,bf16]
         [--layers 2] [--prompt-len 256] [--decode 48] [--batch 1] [--cache-rate 0.1]
+    python benchmarks/dummy_routing.py --gguf FILE ...   # a random GGUF's routing
 """
 
 from __future__ import annotations
@@ -129,9 +130,15 @@ COLUMNS = ["pre_cov", "pre_max", "pre_H", "dec_cov", "dec_max", "reuse", "lru"]
 
 
 def measure(model_name: str, fmt: str, layers: int, prompt_len: int, decode: int, batch: int,
-            cache_rate: float, seed: int, dtype: torch.dtype, device: str) -> list[dict]:
-    model = load_dummy(model_name, fmt, layers, dtype=dtype, device=device, seed=seed,
-                       show_progress=False)
+            cache_rate: float, seed: int, dtype: torch.dtype, device: str,
+            gguf: str | None = None) -> tuple[list[dict], object]:
+    if gguf:  # a file (scripts/make_random_gguf.py's) instead of a dummy model
+        from freetoken.models import load_model
+
+        model, _ = load_model(gguf, dtype=dtype, device=device, show_progress=False)
+    else:
+        model = load_dummy(model_name, fmt, layers, dtype=dtype, device=device, seed=seed,
+                           show_progress=False)
     cfg = model.config
     gen = torch.Generator().manual_seed(seed + 100)
     prompts = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen).tolist()
@@ -143,7 +150,7 @@ def measure(model_name: str, fmt: str, layers: int, prompt_len: int, decode: int
         rows.append(dict(fmt=fmt, layer=layer, **row(calls[0], calls[1:], cfg.num_experts,
                                                      cache_rate)))
     del model
-    return rows
+    return rows, cfg
 
 
 def uniform_row(num_experts: int, top_k: int, prompt_len: int, decode: int, batch: int,
@@ -172,17 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--gguf", default=None, metavar="FILE",
+                    help="measure this GGUF's routing instead (scripts/make_random_gguf.py's "
+                    "files; --model / --formats / --layers unused)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     rows = []
-    for fmt in a.formats.split(","):
-        rows += measure(a.model, fmt, a.layers, a.prompt_len, a.decode, a.batch, a.cache_rate,
-                        a.seed, getattr(torch, a.dtype), a.device)
-    from freetoken.models.dummy import dummy_config
-
-    cfg = dummy_config(a.model, a.layers)
+    for fmt in ["file"] if a.gguf else a.formats.split(","):
+        got, cfg = measure(a.model, fmt, a.layers, a.prompt_len, a.decode, a.batch,
+                           a.cache_rate, a.seed, getattr(torch, a.dtype), a.device, a.gguf)
+        rows += got
+    if a.gguf:
+        a.model, a.layers = a.gguf, cfg.num_layers
     rows.append(uniform_row(cfg.num_experts, cfg.num_experts_per_tok, a.prompt_len, a.decode,
                             a.batch, a.cache_rate, a.seed))
     print(f"{a.model}, {a.layers} layers, batch {a.batch}, prefill {a.prompt_len} random ids, "

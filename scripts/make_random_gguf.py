@@ -13,6 +13,13 @@ Fast by construction (the full file is about 18 GB): Q8_0 rows come from a pool 
 `gguf.quants` quantized from normal values, drawn in random order per tensor; Q4_K and NVFP4
 blocks (which gguf.quants cannot quantize) are random bytes with finite fp16 d / dmin or UE4M3
 scales; tensors stream to the file one at a time through `gguf.GGUFWriter`.
+
+Prompts route about uniformly over the experts, as the expert-cache ceilings assume
+(`benchmarks/dummy_routing.py --gguf FILE` measures it; tests/test_make_random_gguf.py checks
+4 layers). Measured on a 48-layer file of this shape with 256-wide experts: a 128-token
+prompt covers 98-100% of each layer's experts, the busiest at most 4.6x the mean share (Q4_K;
+NVFP4 4.8x, uniform 2.1x on average). Greedy decoding of the random Q4_K model repeats one
+token, so its consecutive decode steps reuse their experts; llama-bench feeds random tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +34,13 @@ import numpy as np
 
 T = gguf.GGMLQuantizationType
 STD = 0.02
+# Routing as the expert-cache ceilings assume it (uniform), as --dummy-weights models do
+# (freetoken/models/dummy.py says why): embedding rows of rms 1, so a token's own signal is not
+# drowned by what the layers add, and attention's output projection at STD / 8, so its
+# prefix average (nearly the same vector for every later token) does not grow layer by layer
+# until every token routes alike.
+EMBED_RMS = 1.0
+OUT_STD = STD / 8
 POOL_ROWS = 4096  # distinct Q8_0 rows per row width
 SHAPE = dict(vocab=151936, hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
              experts=128, top_k=8, expert_ff=768, context=40960)
@@ -38,20 +52,21 @@ class Tensor:
     name: str
     shape: tuple[int, ...]  # numpy order: [..., rows, cols]
     kind: str  # "norm" | "router" | "scale" | "q8_0" | "experts"
+    std: float = STD  # spread of a Q8_0 matrix's values
 
 
 def plan(s: dict) -> list[Tensor]:
     """Every tensor of the file, in llama.cpp's qwen3moe naming."""
     h, q, kv, e, ff = (s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"],
                        s["experts"], s["expert_ff"])
-    out = [Tensor("token_embd.weight", (s["vocab"], h), "q8_0")]
+    out = [Tensor("token_embd.weight", (s["vocab"], h), "q8_0", EMBED_RMS)]
     for i in range(s["layers"]):
         b = f"blk.{i}."
         out += [Tensor(b + "attn_norm.weight", (h,), "norm"),
                 Tensor(b + "attn_q.weight", (q, h), "q8_0"),
                 Tensor(b + "attn_k.weight", (kv, h), "q8_0"),
                 Tensor(b + "attn_v.weight", (kv, h), "q8_0"),
-                Tensor(b + "attn_output.weight", (h, q), "q8_0"),
+                Tensor(b + "attn_output.weight", (h, q), "q8_0", OUT_STD),
                 Tensor(b + "attn_q_norm.weight", (s["head_dim"],), "norm"),
                 Tensor(b + "attn_k_norm.weight", (s["head_dim"],), "norm"),
                 Tensor(b + "ffn_norm.weight", (h,), "norm"),
@@ -69,7 +84,7 @@ class Maker:
     def __init__(self, expert_type: T, seed: int):
         self.rng = np.random.default_rng(seed)
         self.expert_type = expert_type
-        self.pools: dict[int, np.ndarray] = {}
+        self.pools: dict[tuple[int, float], np.ndarray] = {}
 
     def bytes(self, shape: tuple[int, ...]) -> np.ndarray:
         n = int(np.prod(shape))
@@ -79,11 +94,12 @@ class Maker:
     def f32(self, shape: tuple[int, ...], mean: float, std: float) -> np.ndarray:
         return (mean + std * self.rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
 
-    def q8_0(self, rows: int, cols: int) -> np.ndarray:
-        if cols not in self.pools:
-            pool = self.f32((min(rows, POOL_ROWS), cols), 0.0, STD)
-            self.pools[cols] = gguf.quants.quantize(pool, T.Q8_0)
-        pool = self.pools[cols]
+    def q8_0(self, rows: int, cols: int, std: float = STD) -> np.ndarray:
+        key = (cols, std)
+        if key not in self.pools:
+            pool = self.f32((min(rows, POOL_ROWS), cols), 0.0, std)
+            self.pools[key] = gguf.quants.quantize(pool, T.Q8_0)
+        pool = self.pools[key]
         return pool[self.rng.integers(0, pool.shape[0], size=rows)]
 
     def experts(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -91,10 +107,20 @@ class Maker:
         b = self.bytes((*shape[:-1], shape[-1] // block, size))
         lead = b.shape[:-1]
         if self.expert_type == T.Q4_K:  # value = d * sc * q - dmin * m (6-bit sc / m, 4-bit q)
-            d = (self.rng.uniform(1.0, 3.0, size=lead) * 1e-4).astype(np.float16)
+            # dmin = 7.5 d and each sub-block's min m equal to its scale sc: values
+            # d sc (q - 7.5), zero mean in every sub-block (random mins gave each sub-block an
+            # offset larger than its spread, and deep layers routed alike); rms d x 168 (sc
+            # uniform in 0..63, q in 0..15): 0.014, as the NVFP4 experts' (at 0.02 the deep
+            # layers of a 48-layer file drifted towards routing alike again).
+            d = (self.rng.uniform(0.42, 1.26, size=lead) * 1e-4).astype(np.float16)
             b[..., 0:2] = d[..., None].view(np.uint8)
             b[..., 2:4] = (7.5 * d.astype(np.float32)).astype(np.float16)[..., None].view(
-                np.uint8)  # mean sc = mean m, mean q = 7.5: zero mean on average
+                np.uint8)
+            # the 12 scale bytes (llama.cpp's get_scale_min_k4): bytes 0-3 hold sc 0-3 and the
+            # high bits of sc 4-7, bytes 4-7 the same of m, bytes 8-11 the low nibbles of sc 4-7
+            # (low) and m 4-7 (high): m = sc makes 4-7 a copy of 0-3 and 8-11 two equal nibbles
+            b[..., 8:12] = b[..., 4:8]
+            b[..., 12:16] = (b[..., 12:16] & 15) * 17
         else:  # NVFP4: 4 UE4M3 scales (halved on decode) in [0.25, 2), then 32 code bytes
             b[..., 0:4] = self.rng.integers(0x30, 0x48, size=(*lead, 4), dtype=np.uint8)
         return b.reshape(*shape[:-1], -1)
@@ -107,7 +133,7 @@ class Maker:
         if t.kind == "scale":  # doubled E2M1 (rms ~5.8) x halved block scale (~0.9) x this
             return self.rng.uniform(0.002, 0.003, size=t.shape).astype(np.float32)
         if t.kind == "q8_0":
-            return self.q8_0(*t.shape)
+            return self.q8_0(*t.shape, t.std)
         return self.experts(t.shape)
 
 
