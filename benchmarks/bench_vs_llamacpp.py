@@ -22,7 +22,9 @@ Q4_K and with NVFP4 experts, and this script parses its output. On the GPU machi
 (62% done after 4.5 minutes there, sharing the CPU) and the runs do not fit one 10-minute
 device call:
 benchmarks/llamacpp_gpu.sh builds a static llama-bench in one call and packs it to be carried
-into the next.
+into the next, or (`build-here`) builds it on a machine without a GPU from nvcc and cuBLAS's
+wheel, spending no device time: how the figures of 2026-12-01 were measured (the llama.cpp of
+llama-cpp-python 0.3.36, one device call of about three minutes per GGUF).
 
 llama-bench runs `-ngl 99 -t THREADS -p PROMPT -n GEN -o json` (batch-1 decode and a prompt of
 PROMPT tokens, both in tokens/s); FreeToken runs `ft bench decode` at every --batch with the
