@@ -20,6 +20,11 @@ of each kernel hides little: the next step is to issue a GEMV's weight loads bef
 (they do not depend on the previous kernel), which is what this switch exists to try. With
 `early`, waiting programs of the next kernel hold SM slots the current one's later waves need
 (batch 16 lost 6-11%).
+Tried next (2026-12-01): with PDL the dense GEMV asks L2 for its weight rows before `wait`
+(`prefetch_l2`), and the fused norm + router loads its router rows before it. 30B Q4_K off
+369.0 / 897.8 / 1743.3 and 411.0 / 885.2 / 1829.8, on 392.8 / 866.7 / 1831.4 and 398.2 /
+881.7 / 1807.6; 35B NVFP4 off 355.0 / 929.0 / 2017.4, on 326.6 / 865.0 / 2103.9: within the
+spread between runs, so still off by default.
 """
 
 from __future__ import annotations
