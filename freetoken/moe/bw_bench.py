@@ -32,7 +32,13 @@ import torch
 
 from freetoken.moe.cpu_bench import LayerBench, LayerShape
 from freetoken.moe.cpu_executor import CpuMoeExecutor, default_threads
-from freetoken.moe.policy import cpu_model, gpu_model, profile_key, save_profiles
+from freetoken.moe.policy import (
+    SPREAD_WARN,
+    cpu_model,
+    gpu_model,
+    profile_key,
+    save_profiles,
+)
 from freetoken.moe.slot_cache import ALIGN
 
 # --formats names -> (gate/up, down) as cpu_bench.make_weights takes them
@@ -41,7 +47,6 @@ FORMATS = {"nvfp4": ("nvfp4", "nvfp4"), "q4_k": ("Q4_K", "Q4_K"), "q4_k_m": ("Q4
 SHAPE = (2048, 512, 8, 256)  # hidden, expert FFN, top-k, experts: Qwen3.6-35B-A3B's layers
 MiB = 1 << 20
 ROUNDS = 3  # of the executor alone
-SPREAD_WARN = 0.15  # (max - min) / median of the rounds above which the output says so
 
 
 def _parse_formats(text: str) -> list[str]:

@@ -88,6 +88,11 @@ def find_profile(fmt: str) -> dict | None:
     return prof
 
 
+# (max - min) / median of `ft bench bw`'s executor rounds above which the bench says so, and a
+# hybrid policy from its profile says so again when the engine starts
+SPREAD_WARN = 0.15
+
+
 @dataclass(frozen=True)
 class FetchPolicy:
     """fetch_limit(misses) for one backend; `q` None = every miss (offload)."""
@@ -117,8 +122,12 @@ def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None) -> F
     cap = None if max_fetch in (None, -1) else max_fetch
     if profile is not None:
         q = float(profile["q_star"])
+        spread = profile.get("cpu_spread") or 0.0
+        busy = (f" (measured while this machine's memory bandwidth varied: its executor "
+                f"rounds {spread:.0%} apart; run `ft bench bw` again on a quiet machine)"
+                if spread > SPREAD_WARN else "")
         return FetchPolicy(q, cap, f"hybrid: q* = {q:.2f} from the ft bench bw profile"
-                           + (f", at most {cap} per layer" if cap is not None else ""))
+                           + (f", at most {cap} per layer" if cap is not None else "") + busy)
     cap = DEFAULT_CAP if cap is None else cap
     return FetchPolicy(DEFAULT_Q, cap, f"hybrid: no ft bench bw profile for this machine and "
                        f"format: q* = {DEFAULT_Q}, at most {cap} fetches per layer")

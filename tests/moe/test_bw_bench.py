@@ -95,6 +95,20 @@ def test_rounds_that_disagree_are_reported(monkeypatch):
             assert "100.0, 60.0, 100.0 GB/s" in said[0]
 
 
+def test_hybrid_policy_names_a_busy_profile():
+    """A profile whose executor rounds disagreed (ft bench bw beside other work) still sets
+    q*, and the policy's reason, logged when the engine starts, says the profile is suspect;
+    a quiet one's does not."""
+    from freetoken.moe.policy import SPREAD_WARN, fetch_policy
+
+    quiet = {"q_star": 0.37, "cpu_spread": SPREAD_WARN / 2}
+    busy = {"q_star": 0.93, "cpu_spread": 0.32}
+    assert "varied" not in fetch_policy("hybrid", None, quiet).why
+    why = fetch_policy("hybrid", None, busy).why
+    assert "q* = 0.93" in why and "32% apart" in why and "ft bench bw" in why
+    assert fetch_policy("hybrid", None, {"q_star": 0.37}).q == 0.37  # older profiles
+
+
 def test_unknown_format_is_named(cache):
     with pytest.raises(ValueError, match="unknown mxfp9"):
         bw_bench.run("nvfp4,mxfp9", save=False)
