@@ -12,6 +12,11 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _unless_off(name: str) -> bool:
+    """A switch that is on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _choice(name: str, choices: tuple[str, ...]) -> str | None:
     v = os.environ.get(name, "").strip().lower()
     if not v:
@@ -38,8 +43,7 @@ def cpu_moe_no_avx512vnni() -> bool:
 
 def cpu_moe_hugepages() -> bool:
     """FREETOKEN_CPU_MOE_HUGEPAGES=0: do not ask for transparent huge pages for host weights."""
-    return os.environ.get("FREETOKEN_CPU_MOE_HUGEPAGES", "").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _unless_off("FREETOKEN_CPU_MOE_HUGEPAGES")
 
 
 def cpu_float() -> bool:
@@ -54,23 +58,20 @@ def gpu_int8_dot() -> bool:
     """FREETOKEN_GPU_INT8_DOT=0: the GPU's decode GEMVs (NVFP4, Q4_K, split Q8_0 at bf16 / f16)
     multiply in fp32 from decoded weights instead of int8 dot products over activations
     quantized per 32 values (`kernels/triton/gemv_i8.py`; llama.cpp's numbers, faster)."""
-    return os.environ.get("FREETOKEN_GPU_INT8_DOT", "").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _unless_off("FREETOKEN_GPU_INT8_DOT")
 
 
 def gpu_norm_route() -> bool:
     """FREETOKEN_GPU_NORM_ROUTE=0: the post-attention RMSNorm and the MoE router run as two
     launches at decode sizes instead of one (`kernels.route.add_rms_norm_route`)."""
-    return os.environ.get("FREETOKEN_GPU_NORM_ROUTE", "").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _unless_off("FREETOKEN_GPU_NORM_ROUTE")
 
 
 def gpu_down_arrive_sum() -> bool:
     """FREETOKEN_GPU_DOWN_SUM=0: at decode sizes the fused MoE sums each token's routes in a
     launch of its own instead of in the down kernel's last-arriving program
     (`kernels/triton/moe.py: _arrive_and_sum`)."""
-    return os.environ.get("FREETOKEN_GPU_DOWN_SUM", "").strip().lower() not in (
-        "0", "false", "no", "off")
+    return _unless_off("FREETOKEN_GPU_DOWN_SUM")
 
 
 def gpu_pdl() -> int:
