@@ -41,6 +41,7 @@ import triton.language as tl
 
 from freetoken import env
 from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.gemv_i8 import (
     asm,
@@ -212,13 +213,7 @@ def _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om,
     next call: CUDA-graph safe) adds the token's rows of y in route order in fp32, as
     `_sum_routes_kernel` does, into out in its dtype: the sum without a launch of its own."""
     t = tl.program_id(0) // TOPK
-    counter = count_ptr + t * tl.num_programs(1) + tl.program_id(1)
-    # All threads' stores, then one release (cumulative over the barrier): the program that
-    # counts last sees every route's row.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter, 1, sem="acq_rel")
-    if done == TOPK - 1:
-        tl.store(counter, 0)
+    if last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), TOPK):
         acc = tl.zeros(rn.shape, dtype=tl.float32)
         for j in tl.static_range(TOPK):
             acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * stride_ym + rn, mask=n_ok,
@@ -321,6 +316,9 @@ QUANT_A_TOKENS = 2
 # the FFN is one chunk (same measurement, NVFP4 256 x 2048 x 512 with quantized a: 17.5 /
 # 25.2 / 73.5 us against 14.6 / 25.0 / 78.1 at 1 / 4 / 16 tokens).
 DOWN_SUM_TOKENS = 8
+# Arrival counters of the decode down kernel's sums (`_arrive_and_sum`): one per token and row
+# block; more than this and the separate sum kernel runs.
+SUM_COUNTERS = 16384
 
 
 def supported(bank: ExpertBank) -> bool:
@@ -536,7 +534,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
         FMT=f2, DOT=dot, BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(f2, inter, bk),
         UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
-        SUM=sums, count_ptr=_sum_counts(x.device) if sums else None,
+        SUM=sums, count_ptr=counters("down_sum", SUM_COUNTERS, x.device) if sums else None,
         out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
         num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     if not sums:
@@ -544,15 +542,3 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                                                        num_warps=4, **pdl.opts())
     return out
 
-
-# Per-device arrival counters of the decode down kernel's sums (`_arrive_and_sum`), one per
-# token and row block, kept at zero between calls.
-SUM_COUNTERS = 16384
-_SUM_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _sum_counts(device: torch.device) -> torch.Tensor:
-    c = _SUM_COUNTS.get(device)
-    if c is None:
-        c = _SUM_COUNTS[device] = torch.zeros(SUM_COUNTERS, dtype=torch.int32, device=device)
-    return c

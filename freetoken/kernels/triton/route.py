@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.pdl import wait
 
@@ -102,12 +103,7 @@ def _store_and_route(logit, eb, eb_ok, t, E, logits_ptr, count_ptr, bias_ptr, id
     """A program's logits of experts eb into logits [T, E] (fp32 scratch); the last of token
     t's programs to arrive routes the token."""
     tl.store(logits_ptr + t * E + eb, logit, mask=eb_ok)
-    # All threads' stores, then one release (cumulative over the barrier): the program that
-    # counts last sees every program's logits.
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
-    if done == tl.num_programs(1) - 1:
-        tl.store(count_ptr + t, 0)
+    if last_to_arrive(count_ptr + t, tl.num_programs(1)):
         e = tl.arange(0, BLOCK_E)
         ok = e < E
         x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf"),
@@ -185,15 +181,11 @@ def route_triton(logits: torch.Tensor, top_k: int, sigmoid: bool, renormalize: b
 
 
 # Per-device arrival counters of the fused kernel, one per token, kept at zero between calls.
-_COUNTS: dict[torch.device, torch.Tensor] = {}
 GATE_TOKENS = 64  # the fused kernel's token limit (decode); more tokens run GEMM + route
 
 
 def _counts(device: torch.device) -> torch.Tensor:
-    c = _COUNTS.get(device)
-    if c is None:
-        c = _COUNTS[device] = torch.zeros(GATE_TOKENS, dtype=torch.int32, device=device)
-    return c
+    return counters("route", GATE_TOKENS, device)
 
 
 def gate_route_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, sigmoid: bool,
