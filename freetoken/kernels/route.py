@@ -129,19 +129,17 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     from freetoken.kernels.norm import _on_gpu as norm_on_gpu
     from freetoken.kernels.norm import add_rms_norm
 
-    norm_check(x, weight, residual)
     bias = None if router.scoring == "softmax" else router.bias
-    h = x.shape[-1]
-    fuse = (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and env.gpu_norm_route() and norm_on_gpu(x, weight) and x.stride(-1) == 1
-            and residual.stride(-1) == 1 and h == router.gate.in_features
-            and _gate_on_gpu(x, router.gate, bias))
-    if fuse:
-        from freetoken.kernels.triton.route import NORM_ROUTE_MAX_H, norm_gate_route_triton
-
-        fuse = h <= NORM_ROUTE_MAX_H
-    if not fuse:
+    # _gate_on_gpu: CUDA, [T, H] rows of unit stride, few tokens, a float router weight
+    if not (x.dtype in (torch.bfloat16, torch.float16) and env.gpu_norm_route()
+            and _gate_on_gpu(x, router.gate, bias) and norm_on_gpu(x, weight)
+            and residual.stride(-1) == 1 and x.shape[-1] == router.gate.in_features):
         return add_rms_norm(x, residual, weight, eps, quantize)
+    from freetoken.kernels.triton.route import NORM_ROUTE_MAX_H, norm_gate_route_triton
+
+    if x.shape[-1] > NORM_ROUTE_MAX_H:
+        return add_rms_norm(x, residual, weight, eps, quantize)
+    norm_check(x, weight, residual)
     _check(x.new_empty(0, router.gate.out_features), router.top_k, router.scoring, bias)
     y, s, q, ids, w = norm_gate_route_triton(
         x, residual, weight, eps, quantize and xq.wanted(x), router.gate.data, router.top_k,
