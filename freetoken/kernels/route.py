@@ -130,8 +130,9 @@ def add_rms_norm_route(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     from freetoken.kernels.norm import add_rms_norm
 
     bias = None if router.scoring == "softmax" else router.bias
-    # _gate_on_gpu: CUDA, [T, H] rows of unit stride, few tokens, a float router weight
-    if not (x.dtype in (torch.bfloat16, torch.float16) and env.gpu_norm_route()
+    # _gate_on_gpu (needs triton: CUDA tensors only): [T, H] rows of unit stride, few tokens,
+    # a float router weight on the device
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and env.gpu_norm_route()
             and _gate_on_gpu(x, router.gate, bias) and norm_on_gpu(x, weight)
             and residual.stride(-1) == 1 and x.shape[-1] == router.gate.in_features):
         return add_rms_norm(x, residual, weight, eps, quantize)
