@@ -237,10 +237,11 @@ def test_norm_gate_route_bf16_codes() -> None:
                                rtol=0.04, atol=0)
 
 
-def test_add_rms_norm_route_entry() -> None:
+def test_add_rms_norm_route_entry(monkeypatch) -> None:
     """The entry point: on CUDA at bf16 the routes come with y (`routes_of`) and equal the
-    router's own on y (`gate_topk`), y and s those of `add_rms_norm`; elsewhere (CPU, fp32)
-    it is `add_rms_norm` and y carries no routes (the MoE routes for itself)."""
+    router's own on y (`gate_topk`), y and s those of `add_rms_norm`, and
+    FREETOKEN_GPU_NORM_ROUTE=0 leaves them out; elsewhere (CPU, fp32) it is `add_rms_norm` and
+    y carries no routes (the MoE routes for itself)."""
     t, e, h, k = 2, 64, 128, 4
     x, r, nw, gate = _norm_case(t, e, h, seed=5)
     dt = torch.bfloat16 if CUDA else torch.float32
@@ -258,6 +259,9 @@ def test_add_rms_norm_route_entry() -> None:
     ids, w = gate_topk(y, *router)
     assert torch.equal(routed[0], ids)
     torch.testing.assert_close(routed[1], w, rtol=1e-5, atol=1e-7)
+    monkeypatch.setenv("FREETOKEN_GPU_NORM_ROUTE", "0")
+    y2, s2 = add_rms_norm_route(x, r, nw.to(DEV), 1e-6, True, router)
+    assert routes_of(y2) is None and torch.equal(s2, s_ref)
 
 
 if __name__ == "__main__":
