@@ -102,6 +102,24 @@ def test_triton_moe_matches_reference(f13, f2, tokens, act, tiles):
     _check(y, ref, mag, True)
 
 
+@pytest.mark.parametrize("f13,f2,tokens,act,tiles", [CASES[0], CASES[2]])
+def test_strided_scales_read_in_place(f13, f2, tokens, act, tiles):
+    """A slot pool's scales are a strided view (each slot's row sits inside its bytes): the
+    kernels read them through the row stride and give the contiguous copy's bits, with
+    garbage between the rows never read."""
+    bank, x, ids, w, emap, ref, mag = _case(f13, f2, tokens, act, tokens * 7 + len(f2))
+    rows = torch.full((E, 12), float("nan"))
+    rows[:, 5:9] = bank.scales
+    strided = rows.to(DEV)[:, 5:9]
+    assert strided.stride(0) == 12
+    w13, w2 = cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV)
+    args = (x.to(DEV), ids.to(DEV), w.to(DEV), act, emap.to(DEV), None if CUDA else tiles)
+    y = fused_moe_triton(args[0], ExpertBank(w13, w2, strided), *args[1:])
+    want = fused_moe_triton(args[0], ExpertBank(w13, w2, bank.scales.to(DEV)), *args[1:])
+    assert torch.equal(y.cpu(), want.cpu())
+    _check(y, ref, mag, True)
+
+
 @pytest.mark.parametrize("f13,f2,tokens,act,tiles", [c for c in CASES if c[4][0] == 1])
 def test_down_kernel_sums_as_the_sum_kernel(f13, f2, tokens, act, tiles, monkeypatch):
     """Decode: the token's routes summed by the down kernel's last-arriving program

@@ -99,7 +99,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
                     UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
                     ASM: tl.constexpr = True, XQ: tl.constexpr = False, QA: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    stride_bs=4, PDL: tl.constexpr = False):
     """XQ: x_ptr / stride_xm are the rows quantized ahead (`kernels.xq`), int8 GEMV only.
     QA (decode, BN a multiple of 32): a is stored quantized for the int8 down GEMV instead
     (a_ptr: rows of `xq_len(INTER)` words, `gemv_i8.quant_store`'s layout), the GLU output
@@ -142,7 +142,7 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
                 u = decode_tile(FMT, wu, su, k[None, :], w_ok)
             acc_g = _dot_acc(acc_g, x, g, DOT)
             acc_u = _dot_acc(acc_u, x, u, DOT)
-    s = bank_s_ptr + slot * 4
+    s = bank_s_ptr + slot * stride_bs
     a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     if QA:  # rows n0 .. n0 + BN: BN / 32 whole blocks of the row's codes
         n0 = tl.program_id(1) * BN
@@ -161,7 +161,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                  UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
                  ASM: tl.constexpr = True, XQ: tl.constexpr = False,
                  SUM: tl.constexpr = False, count_ptr=None, out_ptr=None, stride_om=0,
-                 TOPK: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 TOPK: tl.constexpr = 1, stride_bs=4, PDL: tl.constexpr = False):
     """XQ: a_ptr / stride_am are a's rows quantized by `_gate_up_kernel` (QA). SUM (decode,
     BM = 1): the token's routes' rows are also summed into out (`_arrive_and_sum`)."""
     wait(PDL)  # pdl.py: the kernel before has completed
@@ -198,7 +198,7 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
             a = tl.load(a_rows + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc = _dot_acc(acc, a, w, DOT)
     r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
-    y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * r_w[:, None]
+    y = acc * tl.load(bank_s_ptr + slot * stride_bs + 2) * r_w[:, None]
     out = y_ptr + routes[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
     if SUM:
@@ -228,7 +228,7 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, ids_ptr, map_ptr, route_w_
                      K: tl.constexpr, HIDDEN: tl.constexpr, TOPK: tl.constexpr,
                      FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      MAP: tl.constexpr, ASM: tl.constexpr, XQ: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     stride_bs=4, PDL: tl.constexpr = False):
     """Decode's down projection and the routes' sum in one launch: program (t, row block)
     computes y_j = (a[t k + j] Wd_j^T) * s[slot_j, 2] * route_weight, j = 0 .. k - 1, as an
     int8 GEMV each (K in one chunk of BK), and adds them in j order in fp32 (as
@@ -252,7 +252,8 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, ids_ptr, map_ptr, route_w_
         ok = n_ok & here
         acc = gemv_i8_row(FMT, w_rows, s_rows, a_ptr + r.to(tl.int64) * stride_am, ok, K, BK,
                           ASM, XQ)
-        y = acc * tl.load(bank_s_ptr + slot * 4 + 2) * tl.load(route_w_ptr + r).to(tl.float32)
+        r_w = tl.load(route_w_ptr + r).to(tl.float32)
+        y = acc * tl.load(bank_s_ptr + slot * stride_bs + 2) * r_w
         total += tl.where(here, y, 0.0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + rn, total.to(out_ptr.dtype.element_ty),
              mask=n_ok)
@@ -489,7 +490,10 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     emap = expert_map if mapped else block_slot
     w13, s13 = weight_args(bank.w13)
     w2, s2 = weight_args(bank.w2)
-    scales = bank.scales.contiguous()
+    # a slot pool's scales are a strided view [S, 4] (each slot holds its own row): read in
+    # place through their row stride, not copied every layer call
+    scales = bank.scales if bank.scales.stride(-1) == 1 else bank.scales.contiguous()
+    sb = scales.stride(0)
     rw = topk_weights.reshape(-1).contiguous()
     nb = block_slot.numel()
     bn, bk, warps, i8 = up
@@ -511,8 +515,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
         FMT=f13, DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
         FAST=has_fast_tile(f13, h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
-        MAP=mapped, I8=i8, ASM=asm(), XQ=q is not None, QA=qa, num_warps=warps,
-        enable_fp_fusion=False, **pdl.opts())
+        MAP=mapped, I8=i8, ASM=asm(), XQ=q is not None, QA=qa, stride_bs=sb,
+        num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     bn, bk, warps, i8 = down
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if down_sum is None:  # (int8: decode only) one chunk: down and the routes' sum together
@@ -521,8 +525,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         _down_sum_kernel[(t, triton.cdiv(h, bn))](
             a, w2, s2, scales, route_ids, emap, rw, out, a.stride(0), w2.stride(0),
             w2.stride(1), s2.stride(0), s2.stride(-2), out.stride(0), K=inter, HIDDEN=h,
-            TOPK=topk, FMT=f2, BN=bn, BK=bk, MAP=mapped, ASM=asm(), XQ=qa, num_warps=warps,
-            enable_fp_fusion=False, **pdl.opts())
+            TOPK=topk, FMT=f2, BN=bn, BK=bk, MAP=mapped, ASM=asm(), XQ=qa, stride_bs=sb,
+            num_warps=warps, enable_fp_fusion=False, **pdl.opts())
         return out
     y = (torch.empty if expert_map is None or mapped else torch.zeros)(
         r, h, dtype=torch.float32, device=x.device)
@@ -536,7 +540,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
         SUM=sums, count_ptr=counters("down_sum", SUM_COUNTERS, x.device) if sums else None,
         out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
-        num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     if not sums:
         _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                        num_warps=4, **pdl.opts())
