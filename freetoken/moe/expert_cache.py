@@ -8,7 +8,8 @@ layer call, with M missing experts (distinct experts the call routes to that no 
   fetched and computed in further rounds; inside a CUDA graph, which cannot loop on the
   host, the CPU computes them);
 - cpu: F = 0 (every miss to the CPU executor);
-- hybrid: F = round(q* M), capped by --moe-hybrid-max-fetch (policy.py);
+- hybrid: F = floor(q* (M + 1)) (the integer split that finishes first, policy.py), capped
+  by --moe-hybrid-max-fetch;
 - a call of PREFILL_TOKENS tokens or more is streamed (moe/prefill_stream.py) or fetches
   every miss, whatever the backend.
 The device computes the hits and the fetched experts with the fused MoE kernel reading slots

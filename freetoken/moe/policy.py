@@ -3,6 +3,13 @@
 q* = B_pcie / (B_pcie + B_cpu), both measured while they run at once by `ft bench bw` and
 stored in a profile (JSON in the user's cache folder) keyed by expert format, GPU and CPU.
 Without a profile the hybrid backend fetches a fixed small number per layer call.
+
+F, the misses fetched out of M, is an integer: F = floor(q* (M + 1)). The fetches take
+F (1 - q*) and the CPU (M - F) q* (in units of an expert's time over both links at once);
+they cross at F = q* M, and of the two integers beside it the upper one finishes first
+exactly when the crossing's fraction exceeds 1 - q*, that is floor(q* M + q*). Rounding to the
+nearest instead fetched one expert too many whenever that fraction lay between 1/2 and 1 - q*
+(30B Q4_K at q* 0.37: M = 7 gave F = 3, whose fill outlasted the CPU's four by 30%).
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ class FetchPolicy:
         if self.q is None:
             f = misses
         else:
-            f = torch.floor(misses.double() * self.q + 0.5).long()
+            f = torch.floor((misses.double() + 1) * self.q).long()  # the module doc's rule
         return f if self.cap is None else f.clamp(max=self.cap)
 
 

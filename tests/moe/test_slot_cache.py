@@ -155,5 +155,17 @@ def test_fetch_policy():
         fetch_policy("hybrid", -2, None)
 
 
+@pytest.mark.parametrize("q", [0.05, 0.27, 0.317, 0.37, 0.5, 0.8])
+def test_hybrid_split_finishes_first(q):
+    """The hybrid split F of M misses is the integer that minimises the later of the two
+    sides: the fetches F (1 - q) and the CPU (M - F) q (time per expert over each link when
+    q = B_pcie / (B_pcie + B_cpu)); among equal times the policy may take either."""
+    policy = fetch_policy("hybrid", None, {"q_star": q})
+    for m in range(0, 65):
+        f = int(policy(torch.tensor(m)))
+        cost = [max(g * (1 - q), (m - g) * q) for g in range(m + 1)]
+        assert 0 <= f <= m and cost[f] <= min(cost) + 1e-12, (m, f, cost)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -1,7 +1,7 @@
 """The slot cache's one-launch plan kernel (kernels/triton/slot_plan.py) against the plain-Python
 LRU model of test_slot_cache.py: the same hits, misses, fetches, victims and map after every
 call of a 60-call sequence over three layers, with int limits and with hybrid's q* policy
-(whose rounding, floor(misses * q + 0.5) in float64, must match the torch ops' exactly).
+(whose rounding, floor((misses + 1) * q) in float64, must match the torch ops' exactly).
 Without CUDA the kernel runs in Triton's interpreter (set before triton is imported).
 """
 
@@ -48,7 +48,7 @@ def test_plan_kernel_matches_python_model(slots, limit, pad):
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
         n_miss = len({e for e in ids.flatten().tolist()} - {e for la, e in ref.table()
                                                              if la == layer})
-        lim = limit if isinstance(limit, int) else min(2, int(n_miss * limit + 0.5))
+        lim = limit if isinstance(limit, int) else min(2, int((n_miss + 1) * limit))
         h, m, f = ref.call(layer, ids.flatten().tolist(), lim)
         q, cap = c._q_cap(policy)
         live = None

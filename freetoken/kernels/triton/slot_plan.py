@@ -4,7 +4,7 @@ The torch version is some seventy small tensor ops; on a GPU, launched eagerly, 
 1.7 ms of host time per layer call on the H200 machine (30% of a 2-layer step). Here one
 program does the same, in the same order, with the same results:
 1. clock += 1; count each expert's routes; hits get last_use = clock;
-2. f = min(misses, unprotected slots, limit, n) with limit = floor(misses * q + 0.5) capped
+2. f = min(misses, unprotected slots, limit, n) with limit = floor((misses + 1) * q) capped
    (q < 0: every miss);
 3. f times: the most-routed remaining miss (then the lower id) takes the unprotected slot
    with the smallest last_use * (S + 1) + slot (empty slots first, then the oldest, then the
@@ -50,7 +50,7 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     tl.debug_barrier()
     limit = n_miss.to(tl.int64)
     if q >= 0:
-        limit = tl.floor(n_miss.to(tl.float64) * q + 0.5).to(tl.int64)
+        limit = tl.floor((n_miss + 1).to(tl.float64) * q).to(tl.int64)  # policy.py
     limit = tl.maximum(tl.minimum(limit, cap), 0)
     free = 0
     for s0 in range(0, S, SB):  # unprotected slots; no reads when nothing may be fetched
