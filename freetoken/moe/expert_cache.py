@@ -155,11 +155,14 @@ class ExpertCache:
             ho.set_live(T)  # an eager call's rows are all real
         with record_function("moe.plan"):
             live = ho.live if ho is not None and self.device.type == "cuda" else None
+            # on a GPU the plan kernel also posts the CPU's job, with the map it writes
+            job = (ho.job(layer, x, ids, w, activation)
+                   if ho is not None and c.plans_in_one_launch(ids) else None)
             fetched = c.plan(layer, ids, _ALL if self.fetch_all else self.fetch_limit,
-                             live=live)
+                             live=live, job=job)
             E = c.num_experts
             emap = c.slot_of[layer * E:(layer + 1) * E]  # hits and fetched: a slot; else -1
-        if ho is not None:
+        if ho is not None and job is None:
             with record_function("moe.to_host"):
                 ho.send(layer, x, ids, w, emap, activation)
         with record_function("moe.fill"):

@@ -118,19 +118,33 @@ class Handoff:
         """Real tokens of the coming step (a CUDA graph's padding rows are not computed)."""
         self._host["live"][0] = n
 
+    def job(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+            activation: str):
+        """On a GPU, layer `layer`'s job as the kernels that post it take it
+        (`kernels/triton/handoff.job_args`): the slot plan kernel posts it with the map it
+        writes (moe/expert_cache.py). None with the CPU standing in as the device."""
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"hand-off: {T} tokens in one call, at most {self.max_tokens}")
+        if self.seq is None:
+            return None
+        from freetoken.kernels.triton.handoff import job_args
+
+        return job_args(x, ids, w, self.seq, self.buf, self.off, layer,
+                        ACTIVATIONS[activation], _XDT[x.dtype])
+
     def send(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
              emap: torch.Tensor, activation: str) -> None:
         """Post layer `layer`'s job: its routes whose expert maps to -1 go to the CPU."""
-        T, H = x.shape
-        if T > self.max_tokens:
-            raise ValueError(f"hand-off: {T} tokens in one call, at most {self.max_tokens}")
-        act = ACTIVATIONS[activation]
-        xdt = _XDT[x.dtype]
-        if self.seq is not None:
+        job = self.job(layer, x, ids, w, activation)
+        if job is not None:
             from freetoken.kernels.triton.handoff import send
 
-            send(x, ids, w, emap, self.seq, self.buf, self.off, layer, act, xdt)
+            send(job, emap)
             return
+        T, H = x.shape
+        act = ACTIVATIONS[activation]
+        xdt = _XDT[x.dtype]
         k = ids.shape[1]
         o = self.off
         self.buf[o["job"]:o["job"] + 16].view(torch.int32).copy_(

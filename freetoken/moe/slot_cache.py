@@ -141,8 +141,12 @@ class SlotCache:
         return ExpertBank(qw(bank.w13, "w13"), qw(bank.w2, "w2"), v["scales"])
 
     # -- decisions (device tensor ops, no host sync) -----------------------------------------
+    def plans_in_one_launch(self, ids: torch.Tensor) -> bool:
+        """Whether `plan` of these ids is the one-launch kernel (which can also post a job)."""
+        return self.device.type == "cuda" and ids.numel() <= plan_kernel_routes()
+
     def plan(self, layer: int, ids: torch.Tensor, fetch_limit, count: bool = True,
-             live: torch.Tensor | None = None) -> torch.Tensor:
+             live: torch.Tensor | None = None, job=None) -> torch.Tensor:
         """Look up layer `layer`'s experts of `ids` [T, k], mark the hits used, and give slots
         to up to `fetch_limit` missing experts (an int, or a policy.FetchPolicy: a 0-dim
         device tensor computed from the miss count), evicting the least recently used slots
@@ -153,13 +157,17 @@ class SlotCache:
         (fixed n = min(E, T*k)); the map (layer's experts -> slot or -1) is `expert_map(layer)`.
         count=False: a later round of the same call (offload's, when its misses outnumber the
         slots): its fetches move experts from the cpu counter to the fetched one.
+        job: the hand-off's job of this call (`Handoff.job`), posted by the same kernel once
+        the map is written; only where `plans_in_one_launch`.
         """
         E, S = self.num_experts, self.num_slots
-        if self.device.type == "cuda" and ids.numel() <= plan_kernel_routes():
+        if self.plans_in_one_launch(ids):
             from freetoken.kernels.triton.slot_plan import plan_triton
 
             q, cap = self._q_cap(fetch_limit)
-            return plan_triton(self, layer, ids, q, cap, count, live)
+            return plan_triton(self, layer, ids, q, cap, count, live, job)
+        if job is not None:
+            raise ValueError("SlotCache.plan: a job is posted by the one-launch plan only")
         base = layer * E
         self.clock += 1
         flat = ids.reshape(-1).long()

@@ -26,13 +26,20 @@ from test_slot_cache import E, L, LruModel, _bank, _table  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("slots,limit,pad", [(5, 99, False), (12, 1, False), (30, 2, False),
-                                              (12, 0.3, False), (30, 0.5, False), (5, 99, True),
-                                              (12, 0.3, True)])
-def test_plan_kernel_matches_python_model(slots, limit, pad):
+@pytest.mark.parametrize("slots,limit,pad,scan", [
+    (5, 99, False, None), (12, 1, False, None), (30, 2, False, None), (12, 0.3, False, None),
+    (30, 0.5, False, None), (5, 99, True, None), (12, 0.3, True, None), (30, 99, False, 8),
+    (12, 0.5, True, 4)])
+def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
     """pad: each call also carries two rows of a CUDA graph's padding past `live` (the
-    hand-off's word): the plan must ignore them (the model never sees them)."""
+    hand-off's word): the plan must ignore them (the model never sees them). scan: chunks of
+    that many slots (several a pool: the victim scans read last_use from memory, not from
+    the one register chunk)."""
+    from freetoken.kernels.triton import slot_plan
     from freetoken.kernels.triton.slot_plan import plan_triton
+
+    if scan is not None:
+        monkeypatch.setattr(slot_plan, "SCAN", scan)
 
     banks = [_bank(i, False) for i in range(L)]
     c = SlotCache(banks, slots, DEV)

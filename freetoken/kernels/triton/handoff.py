@@ -40,9 +40,13 @@ def _now_ns(v):
 
 
 @triton.jit
-def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
-                 o_go, o_job, o_ids, o_w, o_map, o_x,
-                 H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+def write_job(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+              o_go, o_job, o_ids, o_w, o_map, o_x, H: tl.constexpr, K, E: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Write a job (header, ids, weights, map [E] from map_ptr, x) into the pinned buffer and
+    post it: `go` = the next job number, after a system-scope fence by every thread and a CTA
+    barrier. One program; also the tail of the slot plan kernel (kernels/triton/slot_plan.py),
+    which posts the job right after it has written the layer's map."""
     n = tl.load(seq_ptr) + 1
     tl.store(seq_ptr, n)
     tl.store(hi32 + o_job, layer)
@@ -67,6 +71,14 @@ def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer,
     n = _fence_sys(n)
     tl.debug_barrier()
     tl.store(hi32 + o_go, n)
+
+
+@triton.jit
+def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+                 o_go, o_job, o_ids, o_w, o_map, o_x,
+                 H: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BLOCK: tl.constexpr):
+    write_job(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+              o_go, o_job, o_ids, o_w, o_map, o_x, H, K, E, BLOCK)
 
 
 @triton.jit
@@ -120,19 +132,24 @@ def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
             tl.store(dst + b + offs, tl.load(src + b + offs, mask=m), mask=m)
 
 
-def send(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, emap: torch.Tensor,
-         seq: torch.Tensor, buf: torch.Tensor, off: dict, layer: int, act: int, xdt: int) -> None:
-    """Write a layer call's job into the pinned buffer and post it (see the module docstring).
+def job_args(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: torch.Tensor,
+             buf: torch.Tensor, off: dict, layer: int, act: int, xdt: int) -> tuple[tuple, dict]:
+    """(`write_job`'s arguments after map_ptr, its constexprs but E) of a layer call's job.
     off: the buffer's byte offsets (moe/handoff.py)."""
     T, H = x.shape
-    K = ids.shape[1]
-    hi32, hf32 = buf.view(torch.int32), buf.view(torch.float32)
-    hx = buf.view(x.dtype)
     xs = x.element_size()
-    _send_kernel[(1,)](
-        x.contiguous(), ids.contiguous(), w.contiguous(), emap, seq, hi32, hf32, hx, layer, act,
-        xdt, T, off["go"] // 4, off["job"] // 4, off["ids"] // 4, off["weights"] // 4,
-        off["map"] // 4, off["x"] // xs, H=H, K=K, E=emap.numel(), BLOCK=1024, num_warps=8)
+    return ((x.contiguous(), ids.contiguous(), w.contiguous(), seq, buf.view(torch.int32),
+             buf.view(torch.float32), buf.view(x.dtype), layer, act, xdt, T, off["go"] // 4,
+             off["job"] // 4, off["ids"] // 4, off["weights"] // 4, off["map"] // 4,
+             off["x"] // xs), {"H": H, "K": ids.shape[1]})
+
+
+def send(job: tuple[tuple, dict], emap: torch.Tensor) -> None:
+    """Write a layer call's job (`job_args`) with the map emap into the pinned buffer and post
+    it (see the module docstring)."""
+    args, consts = job
+    _send_kernel[(1,)](args[0], args[1], args[2], emap, *args[3:], **consts, E=emap.numel(),
+                       BLOCK=1024, num_warps=8)
 
 
 def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict

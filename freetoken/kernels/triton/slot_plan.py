@@ -20,15 +20,31 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton.handoff import write_job
+
 MAX_ROUTES = 64  # T * k of a call planned here (decode); more: the torch ops
-SCAN = 1024  # slots read per chunk of the victim scan
+SCAN = 4096  # slots a chunk of the victim scan holds (one chunk: kept in registers)
+
+
+@triton.jit
+def _victim(lu, s, clock, S: tl.constexpr):
+    """The unprotected slot with the smallest (last_use + 1) * (S + 1) + slot of the chunk
+    lu [SB] at slots s: empty slots first, then the oldest, then the lower index; `never`
+    where the chunk has none. last_use + 1 >= 0 (empty: -1): `%` of a negative is negative."""
+    never = 0x7FFFFFFFFFFFFFFF
+    return tl.min(tl.where((s < S) & (lu != clock), (lu + 1) * (S + 1) + s, never), axis=0)
 
 
 @triton.jit
 def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counters_ptr,
                  q_ptr, out_ptr, base, cap, count, N, live_ptr, K,
+                 x_ptr, w_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+                 o_go, o_job, o_ids, o_w, o_map, o_x,
                  S: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
-                 NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr):
+                 NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr,
+                 SEND: tl.constexpr = False, H: tl.constexpr = 1, BLOCK: tl.constexpr = 512):
+    """SEND: then post the hand-off's job (`handoff.write_job`, the args from x_ptr on) with
+    the map the plan has just written: the CPU worker starts one launch earlier."""
     never = 0x7FFFFFFFFFFFFFFF
     # the loads that do not depend on each other first (`live` is a read over PCIe)
     clock = tl.load(clock_ptr) + 1
@@ -52,41 +68,53 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     if q >= 0:
         limit = tl.floor((n_miss + 1).to(tl.float64) * q).to(tl.int64)  # policy.py
     limit = tl.maximum(tl.minimum(limit, cap), 0)
-    free = 0
-    for s0 in range(0, S, SB):  # unprotected slots; no reads when nothing may be fetched
-        s = s0 + tl.arange(0, SB)  # (then f = 0 whatever this counts)
+    # the last_use of every slot, in registers when one chunk holds them (no reloads below)
+    s1 = tl.arange(0, SB)
+    lu1 = tl.load(last_ptr + s1, mask=(s1 < S) & (limit > 0), other=0)
+    free = tl.sum(((s1 < S) & (lu1 != clock)).to(tl.int32), axis=0)
+    for s0 in range(SB, S, SB):  # more chunks: unprotected slots; no reads when nothing may
+        s = s0 + tl.arange(0, SB)  # be fetched (then f = 0 whatever this counts)
         lu = tl.load(last_ptr + s, mask=(s < S) & (limit > 0), other=0)
         free += tl.sum(((s < S) & (lu != clock)).to(tl.int32), axis=0)
     f = tl.minimum(tl.minimum(n_miss.to(tl.int64), free.to(tl.int64)),
                    tl.minimum(limit, N)).to(tl.int32)
     score = tl.where(miss, counts.to(tl.int64) * E + (E - 1 - e), -1)
-    # a constant trip count, work only while i < f: the interpreter cannot take a computed
-    # loop bound (its scalars are 1-element arrays)
+    j = tl.arange(0, NB)
+    exs = tl.zeros((NB,), tl.int64) - 1
+    slots = tl.zeros((NB,), tl.int64) - 1
+    # f times: the most-routed remaining miss takes the best victim, which is then stamped
+    # (protected). A constant trip count, work only while i < f: the interpreter cannot take
+    # a computed loop bound (its scalars are 1-element arrays)
     for i in range(0, NB):
         if i < f:
             best = tl.max(score, axis=0)
             ex = E - 1 - best % E
             score = tl.where(e == ex, -1, score)
-            key = never
-            for s0 in range(0, S, SB):
-                s = s0 + tl.arange(0, SB)
-                lu = tl.load(last_ptr + s, mask=s < S, other=0)
-                # last_use + 1 >= 0 (empty slots: -1): `%` of a negative key is negative
-                k = tl.where((s < S) & (lu != clock), (lu + 1) * (S + 1) + s, never)
-                key = tl.minimum(key, tl.min(k, axis=0))
-            slot = key % (S + 1)
-            old = tl.load(owner_ptr + slot)
-            tl.store(slot_of_ptr + tl.maximum(old, 0), -1, mask=old >= 0)
-            tl.store(owner_ptr + slot, base + ex)
-            tl.store(slot_of_ptr + base + ex, slot.to(tl.int32))
-            tl.store(last_ptr + slot, clock)
-            tl.store(out_ptr + i, ex)
-            tl.store(out_ptr + N + i, slot)
-            tl.debug_barrier()
-    j = tl.arange(0, NB)
+            if SB >= S:  # one chunk: from the registers
+                slot = _victim(lu1, s1, clock, S) % (S + 1)
+                lu1 = tl.where(s1 == slot, clock, lu1)
+            else:
+                key = never
+                for s0 in range(0, S, SB):
+                    s = s0 + tl.arange(0, SB)
+                    key = tl.minimum(key, _victim(tl.load(last_ptr + s, mask=s < S, other=0),
+                                                  s, clock, S))
+                slot = key % (S + 1)
+                tl.store(last_ptr + slot, clock)
+                tl.debug_barrier()
+            exs = tl.where(j == i, ex, exs)
+            slots = tl.where(j == i, slot, slots)
+    # the f assignments at once: distinct slots, so distinct old owners; the new keys are
+    # misses, owners of no slot, so no store below overlaps another
+    mine = j < f
+    tl.store(last_ptr + slots, tl.zeros((NB,), tl.int64) + clock, mask=mine)
+    old = tl.load(owner_ptr + slots, mask=mine, other=-1)
+    tl.store(slot_of_ptr + old, tl.zeros((NB,), tl.int32) - 1, mask=mine & (old >= 0))
+    tl.store(owner_ptr + slots, base + exs, mask=mine)
+    tl.store(slot_of_ptr + base + exs, slots.to(tl.int32), mask=mine)
     rest = (j >= f) & (j < N)
-    tl.store(out_ptr + j, tl.zeros((NB,), tl.int64) - 1, mask=rest)
-    tl.store(out_ptr + N + j, tl.zeros((NB,), tl.int64) - 1, mask=rest)
+    tl.store(out_ptr + j, tl.where(mine, exs, -1), mask=mine | rest)
+    tl.store(out_ptr + N + j, tl.where(mine, slots, -1), mask=mine | rest)
     tl.store(clock_ptr, clock)
     if count:
         tl.store(counters_ptr, tl.load(counters_ptr) + n_hit)
@@ -95,26 +123,38 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     else:
         tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) - f)
     tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + f)
+    if SEND:
+        tl.debug_barrier()  # the map's stores above are seen by every thread of the program
+        write_job(x_ptr, ids_ptr, w_ptr, slot_of_ptr + base, seq_ptr, hi32, hf32, hx, layer,
+                  act, xdt, T, o_go, o_job, o_ids, o_w, o_map, o_x, H, K, E, BLOCK)
 
 
 def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
-                count: bool, live: torch.Tensor | None = None) -> torch.Tensor:
+                count: bool, live: torch.Tensor | None = None, job=None) -> torch.Tensor:
     """fetched int64 [2, n] for `SlotCache.plan` (see there); q: float64 [1] on the device
     (< 0: every miss), cap: the most to fetch. Route and fetch counts are compiled in as
     powers of two only: offload's later rounds plan other counts, and with the exact count
     compiled in, its batch-4 steps in a 2-layer smoke run took 58 ms compiling (7.6 ms with
     powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's pinned
-    `live` word) holding the real tokens of the step; rows past it are ignored."""
+    `live` word) holding the real tokens of the step; rows past it are ignored. job: the
+    hand-off's job of this call (`handoff.job_args`), posted by the same launch once the map
+    is written."""
     E, S = cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     R = flat.numel()
     n = min(E, R)
     out = torch.empty(2, n, dtype=torch.int64, device=ids.device)
+    if job is None:
+        send, consts = (out,) * 6 + (0,) * 10, {}
+    else:
+        args, consts = job
+        send = (args[0],) + args[2:]  # the plan's own ids are the job's
+    sb = min(SCAN, triton.next_power_of_2(S))
     _plan_kernel[(1,)](
         flat, R, cache.slot_of, cache.owner, cache.last_use, cache.clock, cache.counters, q,
         out, layer * E, min(cap, n), int(count), n, live if live is not None else out,
-        ids.shape[1] if ids.dim() == 2 else 1, S=S, E=E, EB=triton.next_power_of_2(E),
-        RB=max(16, triton.next_power_of_2(R)),
-        NB=max(16, triton.next_power_of_2(n)), SB=min(SCAN, triton.next_power_of_2(S)),
-        HAS_LIVE=live is not None, num_warps=4)
+        ids.shape[1] if ids.dim() == 2 else 1, *send, S=S, E=E, EB=triton.next_power_of_2(E),
+        RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
+        HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
+        num_warps=4 if sb <= 1024 else 8)
     return out
