@@ -10,9 +10,11 @@ inside a graph, and neither does the hand-off):
    whose expert has no slot on live rows with the executor, writes `out` and sets `done`;
 3. meanwhile the device fetches and computes its own routes; then it waits for `done` and
    adds `out`.
-On a GPU the producer is two Triton kernels (kernels/triton/handoff.py), so the whole step can
-be captured; the token count of a graph's step (its padding rows are not computed) is written
-to the buffer's `live` word by the host before each replay. With the CPU standing in as the
+On a GPU the producer is the slot plan kernel, which posts the job once it has written the map
+(kernels/triton/slot_plan.py; `send` where the plan runs as torch ops), and the receive kernel
+(kernels/triton/handoff.py), so the whole step can be captured; the token count of a graph's
+step (its padding rows are not computed) is written to the buffer's `live` word and copied to
+the device by the host before each replay. With the CPU standing in as the
 device, the producer is a few tensor copies and `post` / `wait` from Python: the worker and
 its compaction are the same code as on a GPU.
 """
@@ -76,6 +78,12 @@ class Handoff:
                       for k in ("live", "error", "timeout")}
         w = self.off["live"] // 4
         self._live = self.buf.view(torch.int32)[w:w + 1]
+        # On a GPU the plan kernel reads a device copy of `live`, refreshed by set_live: a
+        # read of the pinned word over PCIe was the first link (1-2 us) of every layer's plan.
+        # Made outside inference mode, so that set_live may update it in and outside it.
+        with torch.inference_mode(False):
+            self._live_dev = (torch.zeros(1, dtype=torch.int32, device=self.device)
+                              if pin else self._live)
         self._executor = executor
         self._worker = _ext().HandoffWorker(executor._ex, self.buf.data_ptr(),
                                             {k: v for k, v in self.off.items() if k != "size"},
@@ -111,12 +119,17 @@ class Handoff:
 
     @property
     def live(self) -> torch.Tensor:
-        """The `live` word as an int32 [1] tensor (the plan kernel reads it on a GPU)."""
-        return self._live
+        """The `live` word as an int32 [1] tensor on the device (the plan kernel reads it on a
+        GPU; the worker reads the pinned word)."""
+        return self._live_dev
 
     def set_live(self, n: int) -> None:
-        """Real tokens of the coming step (a CUDA graph's padding rows are not computed)."""
+        """Real tokens of the coming step (a CUDA graph's padding rows are not computed): the
+        pinned word, and on a GPU its device copy (an async copy on the current stream, before
+        the step's kernels; the previous step, whose plans read it, has been synced)."""
         self._host["live"][0] = n
+        if self._live_dev is not self._live:
+            self._live_dev.copy_(self._live, non_blocking=True)
 
     def job(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
             activation: str):

@@ -46,7 +46,7 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     """SEND: then post the hand-off's job (`handoff.write_job`, the args from x_ptr on) with
     the map the plan has just written: the CPU worker starts one launch earlier."""
     never = 0x7FFFFFFFFFFFFFFF
-    # the loads that do not depend on each other first (`live` is a read over PCIe)
+    # the loads that do not depend on each other first
     clock = tl.load(clock_ptr) + 1
     q = tl.load(q_ptr)
     e = tl.arange(0, EB)
@@ -135,10 +135,10 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     (< 0: every miss), cap: the most to fetch. Route and fetch counts are compiled in as
     powers of two only: offload's later rounds plan other counts, and with the exact count
     compiled in, its batch-4 steps in a 2-layer smoke run took 58 ms compiling (7.6 ms with
-    powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's pinned
-    `live` word) holding the real tokens of the step; rows past it are ignored. job: the
-    hand-off's job of this call (`handoff.job_args`), posted by the same launch once the map
-    is written."""
+    powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's
+    `live` word, its device copy on a GPU) holding the real tokens of the step; rows past it
+    are ignored. job: the hand-off's job of this call (`handoff.job_args`), posted by the same
+    launch once the map is written."""
     E, S = cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     R = flat.numel()
