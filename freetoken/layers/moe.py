@@ -100,14 +100,15 @@ class FusedExperts(nn.Module):
         self.bank = self.bank.to(dtype, "cpu" if _HOST_BANKS else device)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, side=None):
-        """y; with `side` (other work of the layer, the shared expert), (y, side()): an
-        expert-cache backend runs it on the device while the CPU computes its misses."""
+        """y; with `side` (the layer's other work, the shared expert, as y -> y + its terms,
+        which do not depend on y), side(y): an expert-cache backend runs it on the device's
+        partial sum while the CPU computes its misses, then adds the CPU's part."""
         if side is None:
             return self.backend(x, self.bank, ids, w, self.spec.activation)
         with_side = getattr(self.backend, "with_side", None)
         if with_side is not None:
             return with_side(x, ids, w, self.spec.activation, side)
-        return self.backend(x, self.bank, ids, w, self.spec.activation), side()
+        return side(self.backend(x, self.bank, ids, w, self.spec.activation))
 
 
 class Vector(nn.Module):
@@ -193,7 +194,11 @@ class SparseMoE(nn.Module):
         if not self.spec.shared_intermediate:
             return self.experts(x, ids, w)
         # the shared expert as side work: an expert-cache backend overlaps it with the CPU
-        y, sh = self.experts(x, ids, w, side=lambda: self.shared_expert(x))
+        return self.experts(x, ids, w, side=lambda y: self._add_shared(y, x))
+
+    def _add_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y + the (gated) shared expert of x."""
+        sh = self.shared_expert(x)
         w_gate = self._gate_row(x) if self.spec.shared_gate else None
         if w_gate is not None:
             from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton

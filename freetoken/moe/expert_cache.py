@@ -130,8 +130,9 @@ class ExpertCache:
         (cpu, hybrid, and offload inside a CUDA graph) the hand-off path, which has no host
         sync. The phases are profiler ranges (moe.*: `ft bench decode --profile` sums them).
 
-        side: other device work of the layer that does not depend on these experts (the
-        shared expert); it runs while the CPU computes its share, and (y, side()) is returned."""
+        side: the layer's other device work as y -> y + terms that do not depend on y (the
+        shared expert); it is applied to the device's partial sum while the CPU computes its
+        share (the CPU's part is added after it), and side(y) is returned."""
         T = ids.shape[0]
         if self.prefill is not None and T >= PREFILL_TOKENS:
             y = self.prefill.forward(layer, x, ids, w, activation)
@@ -139,7 +140,7 @@ class ExpertCache:
             y = self._fetch_all(layer, x, ids, w, activation)
         else:
             return self._split(layer, x, ids, w, activation, side)
-        return y if side is None else (y, side())
+        return y if side is None else side(y)
 
     def _split(self, layer: int, x, ids, w, activation: str, side: Callable | None = None):
         """Plan (hits, fetches, the CPU's misses) on the device; the CPU's job posted; the
@@ -177,11 +178,12 @@ class ExpertCache:
                 self._fill(layer, fetched)
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
-        extra = side() if side is not None else None
+        if side is not None:  # before the wait: off the critical path when the CPU is
+            y = side(y)
         if ho is not None:
             with record_function("moe.cpu"):
                 y = ho.receive(y)
-        return y if side is None else (y, extra)
+        return y
 
     def _fetch_all(self, layer: int, x, ids, w, activation: str) -> torch.Tensor:
         """Every miss fetched and computed on the device, in rounds when the misses outnumber
@@ -241,6 +243,6 @@ class LayerBackend:
         return self.cache.forward(self.layer, x, topk_ids, topk_weights, activation)
 
     def with_side(self, x, topk_ids, topk_weights, activation, side: Callable):
-        """(y, side()): `side` (the shared expert) runs on the device while the CPU computes
-        its share of the routed experts."""
+        """side(y): `side` (y -> y + the shared expert) runs on the device's partial sum while
+        the CPU computes its share of the routed experts."""
         return self.cache.forward(self.layer, x, topk_ids, topk_weights, activation, side)
