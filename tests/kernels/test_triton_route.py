@@ -8,6 +8,8 @@ Without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1); wi
 same cases run compiled, plus the entry point. Expert ids must equal the float64 top-k in
 order (the cases' logits are drawn so that neighbouring scores differ by far more than fp32
 rounding: gaps are checked); weights within 1e-5 |ref| + 1e-7 of float64 (fp32 exp, sums).
+The tie cases draw logits from a coarse grid instead: ids must equal a stable sort's (ties to
+the lower id), and tied experts' weights must be bitwise equal.
 """
 
 from __future__ import annotations
@@ -263,6 +265,95 @@ def test_add_rms_norm_route_entry(monkeypatch) -> None:
     y2, s2 = add_rms_norm_route(x, r, nw.to(DEV), 1e-6, True, router)
     assert routes_of(y2) is None and torch.equal(s2, s_ref)
 
+
+
+# -- ties: many experts share a score ------------------------------------------------------------
+def _tie_logits(t: int, e: int, seed: int) -> torch.Tensor:
+    """Logits on a coarse grid (steps of 1/2, e // 16 levels or 4): every level is shared by
+    several experts, so the top-k holds ties and the k-th choice is often tied with the next."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, max(4, e // 16), (t, e), generator=gen).float() * 0.5 - 2
+
+
+def _tie_bias(e: int, seed: int) -> torch.Tensor:
+    """A bias of 0 (about 1 expert in 8), -1 or -2: choices p + bias in disjoint bands, the
+    negative ones reached by the top-k of 60 experts; ties where logit and bias are shared."""
+    level = torch.randint(0, 8, (e,), generator=torch.Generator().manual_seed(seed))
+    return torch.where(level == 0, 0.0, torch.where(level < 3, -1.0, -2.0))
+
+
+def _tie_ref(logits: torch.Tensor, k: int, scoring: str, renorm: bool,
+             bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, float64 weights, float64 choice) of the top-k ordered by (-choice, id): a stable
+    sort of -choice, so equal choices keep the lower id first. Equal (logit, bias) give equal
+    choices in float64 as in fp32; distinct choices are checked to differ by far more than fp32
+    rounding, so fp32 orders them as float64 does."""
+    x = logits.double()
+    p = torch.softmax(x, -1) if scoring == "softmax" else torch.sigmoid(x)
+    choice = p + bias.double() if bias is not None else p
+    for row in choice:
+        u = torch.unique(row)  # ascending
+        assert bool(((u[1:] - u[:-1]) > 1e-4 * torch.maximum(u[1:].abs(), u[:-1].abs())).all())
+    ids = torch.sort(-choice, dim=-1, stable=True).indices[:, :k]
+    w = p.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True) if renorm else w, choice
+
+
+def _check_ties(ids: torch.Tensor, w: torch.Tensor,
+                ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    """Ids equal to the stable sort's (ties to the lower id, in order), weights as `_check`
+    bounds them, and the weights of tied experts bitwise equal (the same p, the same sum)."""
+    ids, w = ids.cpu(), w.cpu()
+    _check(ids, w, ref[:2])
+    choice = ref[2].gather(1, ids)
+    tied = choice[:, :, None] == choice[:, None, :]
+    assert bool((w[:, :, None] == w[:, None, :])[tied].all())
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("e", [128, 256, 60])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_ties(scoring: str, e: int, renorm: bool) -> None:
+    """route_triton on tied scores, top 8 and top 2 (sigmoid with a bias that reorders the
+    experts and reaches negative choices): exactly the stable sort's ids; without
+    renormalisation the top 2's weights are bitwise the top 8's first two."""
+    t = 4
+    logits = _tie_logits(t, e, seed=e)
+    bias = _tie_bias(e, seed=e + 1) if scoring == "sigmoid" else None
+    dbias = bias.to(DEV) if bias is not None else None
+    got = {}
+    for k in (8, 2):
+        ref = _tie_ref(logits, k, scoring, renorm, bias)
+        choice = ref[2].gather(1, torch.sort(-ref[2], dim=-1, stable=True).indices[:, :k + 1])
+        assert bool((choice[:, 1:] == choice[:, :-1]).any())  # the case holds ties
+        got[k] = route_triton(logits.to(DEV), k, scoring == "sigmoid", renorm, dbias)
+        _check_ties(*got[k], ref)
+    if not renorm:
+        assert torch.equal(got[2][0], got[8][0][:, :2])
+        assert torch.equal(got[2][1], got[8][1][:, :2])
+
+
+@pytest.mark.parametrize("e", [256, 60])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_ties_fused(scoring: str, e: int) -> None:
+    """gate_route_triton and norm_gate_route_triton on tied scores: token i is exactly the unit
+    vector i (x + residual for the norm), so its logits are exactly gate's column i (times y_i
+    after the norm), the tie grid."""
+    t, h, k, eps = 3, 64, 8, 1e-6
+    gen = torch.Generator().manual_seed(e)
+    gate = torch.randn(e, h, generator=gen) * 1e-3
+    gate[:, :t] = _tie_logits(t, e, seed=e + 2).T
+    bias = _tie_bias(e, seed=e + 3) if scoring == "sigmoid" else None
+    dbias = bias.to(DEV) if bias is not None else None
+    x = torch.eye(t, h)
+    ids, w = gate_route_triton(x.to(DEV), gate.to(DEV), k, scoring == "sigmoid", True, dbias)
+    _check_ties(ids, w, _tie_ref(x.double() @ gate.double().T, k, scoring, True, bias))
+    nw = (1 + 0.05 * torch.rand(h, generator=gen)) / h ** 0.5
+    y, _, _, ids, w = norm_gate_route_triton(
+        torch.zeros(t, h).to(DEV), x.to(DEV), nw.to(DEV), eps, False, gate.to(DEV), k,
+        scoring == "sigmoid", True, dbias)
+    logits = y.cpu().double() @ gate.double().T  # y is exactly y_i e_i: ties as in the gate
+    _check_ties(ids, w, _tie_ref(logits, k, scoring, True, bias))
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
