@@ -253,6 +253,46 @@ def bench_router(e: int = 128, h: int = 2048) -> None:
         print(f"router {t:2d} tokens: " + " | ".join(cells), flush=True)
 
 
+def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -> None:
+    """The slot cache's plan at 1 and 4 tokens (Qwen3.6-35B-A3B's 256 experts top-8, a pool of
+    1024 slots; more layers than the pool holds, so every call evicts): posting the CPU's job
+    from the plan kernel against the plan kernel followed by the send kernel. us per layer
+    call, replayed from a CUDA graph; no worker answers (the jobs are only written)."""
+    from freetoken.kernels.triton.handoff import job_args, send
+    from freetoken.kernels.triton.slot_plan import plan_triton
+    from freetoken.moe.handoff import layout
+    from freetoken.moe.policy import FetchPolicy
+    from freetoken.moe.slot_cache import SlotCache
+
+    bank = ExpertBank(QuantWeight(torch.zeros(e, 32, 64), "f32", (e, 32, 64)),
+                      QuantWeight(torch.zeros(e, 64, 16), "f32", (e, 64, 16)), torch.ones(e, 4))
+    cache = SlotCache([bank] * layers, slots, "cuda")
+    q, cap = cache._q_cap(FetchPolicy(0.3, None, "bench"))
+    off = layout(64, k, e, 2048)
+    buf = torch.zeros(off["size"], dtype=torch.uint8, pin_memory=True)
+    seq = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for t in (1, 4):
+        x = torch.randn(t, 2048, device="cuda", dtype=torch.bfloat16)
+        w = torch.rand(t, k, device="cuda")
+        ids = [torch.stack([torch.randperm(e)[:k] for _ in range(t)]).cuda()
+               for _ in range(layers)]
+
+        def calls(fused: bool, ids=ids, x=x, w=w) -> None:
+            for layer in range(layers):
+                job = job_args(x, ids[layer], w, seq, buf, off, layer, 0, 1)
+                if fused:
+                    plan_triton(cache, layer, ids[layer], q, cap, True, None, job)
+                else:
+                    plan_triton(cache, layer, ids[layer], q, cap, True)
+                    send(job, cache.slot_of[layer * e:(layer + 1) * e])
+
+        cells = []
+        for label, fused in (("plan + send kernel", False), ("plan posting the job", True)):
+            _, g = time_call(lambda fused=fused: calls(fused))
+            cells.append(f"{label} {g * 1e3 / layers:.1f} us" if g else f"{label} -")
+        print(f"slot plan {t} token(s): " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="nvfp4,Q4_K,Q8_0s,Q8_0,Q6_K,mxfp4,MXFP4,fp8_block,bf16")
@@ -264,9 +304,14 @@ def main() -> None:
     p.add_argument("--sweep-moe", default="128,768",
                    help="experts,FFN of the sweep's MoE layer (256,512: Qwen3.6-35B-A3B)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
+    p.add_argument("--plan", action="store_true",
+                   help="only time the slot plan with and without posting the CPU's job")
     a = p.parse_args()
     if a.router:
         bench_router()
+        return
+    if a.plan:
+        bench_plan()
         return
     hbm = hbm_copy_gbs()
     print(f"HBM copy (read + write): {hbm:.0f} GB/s  ({torch.cuda.get_device_name()})")
