@@ -39,9 +39,11 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         raise ValueError(f"qk_rope: q must be [T, Hq, d] and k [T, Hkv, d], got "
                          f"{list(q.shape)} and {list(k.shape)}")
     t, _, d = q.shape
-    if cos.shape != (t, d) or sin.shape != (t, d):
-        raise ValueError(f"qk_rope: cos/sin must be [T={t}, d={d}], got {list(cos.shape)} "
-                         f"and {list(sin.shape)}")
+    r = cos.shape[-1] if cos.dim() == 2 else -1
+    if cos.shape != (t, r) or sin.shape != (t, r) or not 0 < r <= d or r % 2:
+        raise ValueError(f"qk_rope: cos/sin must be [T={t}, r] with r = d = {d} or an even "
+                         f"r < d (partial rotary), got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_rope: pass both q and k norm weights or neither")
     if q_weight is not None and (q_weight.shape != (d,) or k_weight.shape != (d,)):
@@ -62,8 +64,9 @@ def _on_gpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
             eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, d], k [T, Hkv, d]; cos/sin fp32 [T, d]; optional fp32 [d] RMSNorm weights
-    applied to each head first -> rotated (q, k) in their dtype."""
+    """q [T, Hq, d], k [T, Hkv, d]; cos/sin fp32 [T, r] (r = d, or r < d: only each head's
+    first r values rotate, the rest pass); optional fp32 [d] RMSNorm weights applied to each
+    whole head first -> rotated (q, k) in their dtype."""
     _check(q, k, cos, sin, q_weight, k_weight)
     if _on_gpu(q, k, cos, sin, (q_weight, k_weight)):
         from freetoken.kernels.triton.rotary import qk_rope_triton  # lazy: needs triton
@@ -71,6 +74,10 @@ def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         return qk_rope_triton(q, k, cos, sin, q_weight, k_weight, eps)
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    r = cos.shape[-1]
+    if r < q.shape[-1]:  # partial: the first r values rotated, the rest as they are
+        qr, kr = qk_rope(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat([qr, q[..., r:]], dim=-1), torch.cat([kr, k[..., r:]], dim=-1)
     if not q.is_cuda and q.dtype == k.dtype == cos.dtype == sin.dtype == torch.float32:
         hq, d = q.shape[1], q.shape[2]
         if ((q.shape[0] == 1 or q.stride(0) == k.stride(0)) and q.stride()[1:] == (d, 1)

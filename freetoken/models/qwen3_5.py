@@ -25,7 +25,6 @@ from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
 from freetoken.models.base import CausalLM
 from freetoken.models.config import ModelConfig
-from freetoken.models.minimax_m2 import partial_rotary
 
 
 class Qwen3_5Attention(nn.Module):
@@ -44,12 +43,16 @@ class Qwen3_5Attention(nn.Module):
         c, d = self.cfg, self.cfg.head_dim
         qg, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q, gate = qg.reshape(-1, c.num_heads, 2 * d).split(d, dim=-1)  # [T, Hq, d] each
-        q = self.q_norm(q)
-        k = self.k_norm(k.reshape(-1, c.num_kv_heads, d))  # [T, Hkv, d]
+        k = k.reshape(-1, c.num_kv_heads, d)  # [T, Hkv, d]
         v = v.reshape(-1, c.num_kv_heads, d)
-        q, k = partial_rotary(q, *rope), partial_rotary(k, *rope)
-        o = kernels.paged_attention(q.contiguous(), k, v, ctx.kv_caches[self.kv_id], ctx,
-                                    scale=c.scale)
+        # per-head q/k norms, the partial rotary (rope's tables cover the first rotary_dim
+        # values) and the KV write: one launch on the GPU (kernels/triton/rotary.py)
+        cache = ctx.kv_caches[self.kv_id]
+        q, k, stored = kernels.qk_rope_store(q, k, v, *rope, self.q_norm.weight,
+                                             self.k_norm.weight, c.rms_norm_eps, cache,
+                                             ctx.slot_mapping)
+        o = kernels.paged_attention(q.contiguous(), k, v, cache, ctx, scale=c.scale,
+                                    stored=stored)
         o = o.reshape(-1, c.num_heads, d) * torch.sigmoid(gate.float()).to(o.dtype)
         return self.o_proj(o.reshape(-1, c.num_heads * d))
 

@@ -120,3 +120,61 @@ def test_qk_rope_stores_kv(dtype: torch.dtype) -> None:
     store_kv(want, k2, v.to(DEV), slots.to(DEV))
     assert torch.equal(cache.cpu(), want.cpu())
     assert bool((cache.view(2, -1, hkv, d)[:, [0, 1, 2, 3, 4, 6]] == 7.0).all())
+
+
+def _ref64_partial(x, cos, sin, w, eps):
+    """float64: the whole head normalised, its first r = cos.shape[-1] values rotated."""
+    xd = x.double()
+    if w is not None:
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    r = cos.shape[-1]
+    return torch.cat([_ref64(xd[..., :r], cos, sin, None, eps), xd[..., r:]], dim=-1)
+
+
+def _partial_case(t, hq, hkv, d, r, dtype, norm, seed):
+    q, k, _, _, w = _case(t, hq, hkv, d, dtype, norm, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    cos, sin = RotaryEmbedding(r, 10000.0)(torch.randint(0, 4000, (t,), generator=gen))
+    return q, k, cos, sin, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("t,hq,hkv,d,r", [(3, 4, 2, 64, 16), (2, 2, 1, 128, 32)])
+def test_partial_rotary(t, hq, hkv, d, r, norm, dtype):
+    """qwen3.5's partial rotary (cos/sin [T, r], r < d): against float64, in the kernel and in
+    the torch entry point; the torch path is the model's former composition bit for bit (a
+    norm of the head, rotary of its first r values, the rest concatenated)."""
+    from freetoken.kernels.norm import rms_norm
+    from freetoken.layers.rotary import apply_rotary
+
+    q, k, cos, sin, (wq, wk) = _partial_case(t, hq, hkv, d, r, dtype, norm, seed=t * 7 + r)
+    dev = [None if x is None else x.to(DEV) for x in (q, k, cos, sin, wq, wk)]
+    qo, ko = qk_rope_triton(*dev, 1e-6)
+    _close(qo.cpu(), _ref64_partial(q, cos, sin, wq, 1e-6), dtype)
+    _close(ko.cpu(), _ref64_partial(k, cos, sin, wk, 1e-6), dtype)
+    qc, kc = qk_rope(q, k, cos, sin, wq, wk, 1e-6)
+    for x, w, got in ((q, wq, qc), (k, wk, kc)):
+        n = rms_norm(x, w, 1e-6) if norm else x
+        want = torch.cat([apply_rotary(n[..., :r], cos, sin), n[..., r:]], dim=-1)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_rotary_stores_kv(dtype):
+    """Partial rotary with the KV cache given: the launch writes the rotated k and v, bit for
+    bit what the store kernel writes from the plain call's outputs."""
+    from freetoken.kernels.triton.attention import store_kv
+
+    t, hq, hkv, d, r, pages, page = 3, 4, 2, 64, 16, 4, 4
+    q, k, cos, sin, (wq, wk) = _partial_case(t, hq, hkv, d, r, dtype, True, seed=9)
+    v = (torch.randn(t, hkv, d, generator=torch.Generator().manual_seed(10)) * 2).to(dtype)
+    slots = torch.tensor([5, -1, 13])
+    args = [x.to(DEV) for x in (q, k, cos, sin, wq, wk)]
+    cache = torch.full((2, pages, page, hkv, d), 7.0, dtype=dtype, device=DEV)
+    qo, ko = qk_rope_triton(*args, 1e-6, (v.to(DEV), cache, slots.to(DEV)))
+    q2, k2 = qk_rope_triton(*args, 1e-6)
+    assert torch.equal(qo, q2) and torch.equal(ko, k2)
+    want = torch.full_like(cache, 7.0)
+    store_kv(want, k2, v.to(DEV), slots.to(DEV))
+    assert torch.equal(cache.cpu(), want.cpu())

@@ -7,6 +7,11 @@ over the whole head (fp32, as `freetoken.layers.norm`); then
 with cos/sin [T, d] fp32 (the two halves of a row hold the same frequencies in HF's tables,
 but both are read so any table gives the reference's numbers). Outputs are new contiguous
 [T, H, d] tensors in the input dtype. Torch runs about fourteen launches per tensor for this.
+
+Partial rotary (cos/sin [T, r], r < d: qwen3.5's attention rotates the first quarter of each
+head): the head's d values are normalised together, its first r rotated in halves of r / 2,
+the rest passed through (`_head_partial`); one launch where the model ran a norm, a rotary
+and a concatenation per tensor and a separate KV store.
 """
 
 from __future__ import annotations
@@ -38,6 +43,45 @@ def _head(x_ptr, w_ptr, cos_ptr, sin_ptr, eps, HALF: tl.constexpr, NORM: tl.cons
 
 
 @triton.jit
+def _head_partial(x_ptr, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, RH: tl.constexpr,
+                  NORM: tl.constexpr):
+    """The head [D] with its first 2 RH values rotated (halves of RH), the rest as they are
+    (normalised over all D with NORM), fp32."""
+    i = tl.arange(0, D)
+    lo = i < RH
+    rot = i < 2 * RH
+    pj = tl.where(lo, i + RH, tl.where(rot, i - RH, i))  # the rotation's partner of i
+    x = tl.load(x_ptr + i).to(tl.float32)
+    xp = tl.load(x_ptr + pj).to(tl.float32)
+    if NORM:
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = x * inv * tl.load(w_ptr + i)
+        xp = xp * inv * tl.load(w_ptr + pj)
+    c = tl.load(cos_ptr + i, mask=rot, other=1.0)
+    s = tl.load(sin_ptr + i, mask=rot, other=0.0)
+    return tl.where(lo, x * c - xp * s, tl.where(rot, x * c + xp * s, x))
+
+
+@triton.jit
+def _rope_store(x_ptr, w_ptr, cos, sin, eps, o_ptr, o2_ptr, HALF: tl.constexpr,
+                RH: tl.constexpr, NORM: tl.constexpr, PARTIAL: tl.constexpr,
+                SECOND: tl.constexpr = False, ok2=True):
+    """One head normalised and rotated (`_head`, or `_head_partial`) into o_ptr, and with
+    SECOND also into o2_ptr where ok2 (the KV cache)."""
+    if PARTIAL:
+        i = tl.arange(0, 2 * HALF)
+        y = _head_partial(x_ptr, w_ptr, cos, sin, eps, 2 * HALF, RH, NORM)
+        tl.store(o_ptr + i, y.to(o_ptr.dtype.element_ty))
+        if SECOND:
+            tl.store(o2_ptr + i, y.to(o2_ptr.dtype.element_ty), mask=ok2)
+    else:
+        y1, y2 = _head(x_ptr, w_ptr, cos, sin, eps, HALF, NORM)
+        _store_halves(o_ptr, y1, y2, HALF)
+        if SECOND:
+            _store_halves(o2_ptr, y1, y2, HALF, ok2)
+
+
+@triton.jit
 def _store_halves(o_ptr, y1, y2, HALF: tl.constexpr, ok=True):
     i = tl.arange(0, HALF)
     dt = o_ptr.dtype.element_ty
@@ -49,7 +93,8 @@ def _store_halves(o_ptr, y1, y2, HALF: tl.constexpr, ok=True):
 def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr,
                     cache_ptr, slot_ptr, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, s_cos, v_plane,
                     eps, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                    NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False):
+                    NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False,
+                    RH: tl.constexpr = 0, PARTIAL: tl.constexpr = False):
     """Program (t, h): query heads, then key heads, then (STORE) value heads; with STORE the
     key and value heads also go to the KV cache at flat slot slot[t] (< 0: padding, skipped),
     as `attention._store_kv_kernel` writes them."""
@@ -59,15 +104,15 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, cos_ptr
     cos = cos_ptr + t * s_cos
     sin = sin_ptr + t * s_cos
     if h < HQ:
-        y1, y2 = _head(q_ptr + t * sq_t + h * sq_h, qw_ptr, cos, sin, eps, HALF, NORM)
-        _store_halves(qo_ptr + (t * HQ + h) * (2 * HALF), y1, y2, HALF)
+        _rope_store(q_ptr + t * sq_t + h * sq_h, qw_ptr, cos, sin, eps,
+                    qo_ptr + (t * HQ + h) * (2 * HALF), qo_ptr, HALF, RH, NORM, PARTIAL)
     elif h < HQ + HKV:
         hk = h - HQ
-        y1, y2 = _head(k_ptr + t * sk_t + hk * sk_h, kw_ptr, cos, sin, eps, HALF, NORM)
-        _store_halves(ko_ptr + (t * HKV + hk) * (2 * HALF), y1, y2, HALF)
-        if STORE:
-            slot = tl.load(slot_ptr + t).to(tl.int64)
-            _store_halves(cache_ptr + (slot * HKV + hk) * (2 * HALF), y1, y2, HALF, slot >= 0)
+        slot = tl.load(slot_ptr + t).to(tl.int64) if STORE else 0
+        _rope_store(k_ptr + t * sk_t + hk * sk_h, kw_ptr, cos, sin, eps,
+                    ko_ptr + (t * HKV + hk) * (2 * HALF),
+                    cache_ptr + (slot * HKV + hk) * (2 * HALF), HALF, RH, NORM, PARTIAL,
+                    STORE, slot >= 0)
     else:
         hv = h - HQ - HKV
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -81,8 +126,9 @@ def qk_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
                    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, d], k [T, Hkv, d] (unit stride in d), cos/sin fp32 [T, d] with equal strides,
-    norm weights fp32 [d] (both or neither) -> (q', k') contiguous. `kv` (v [T, Hkv, d] with
+    """q [T, Hq, d], k [T, Hkv, d] (unit stride in d), cos/sin fp32 [T, r] (r = d, or r < d:
+    partial rotary of the first r values) with equal strides, norm weights fp32 [d] (both or
+    neither) -> (q', k') contiguous. `kv` (v [T, Hkv, d] with
     unit stride in d, a contiguous cache [2, pages, page_size, Hkv, d], flat slots [T]): k'
     and v are also written into the cache, in the same launch. Checked by
     `freetoken.kernels.rotary`."""
@@ -98,5 +144,6 @@ def qk_rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
         q, k, v, q_weight if norm else cos, k_weight if norm else cos, qo, ko, cos, sin, cache,
         slots, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), cache[1].numel() if kv is not None else 0, float(eps), HQ=hq, HKV=hkv,
-        HALF=d // 2, NORM=norm, STORE=kv is not None, num_warps=1, **pdl.opts())
+        HALF=d // 2, NORM=norm, STORE=kv is not None, RH=cos.shape[1] // 2,
+        PARTIAL=cos.shape[1] < d, num_warps=1, **pdl.opts())
     return qo, ko
