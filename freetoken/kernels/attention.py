@@ -187,3 +187,22 @@ def paged_attention_triton(
     max_q = ctx.max_seqlen_q or int(q.shape[0])
     return tri.prefill(q, cache, ctx.page_table, ctx.cu_seqlens_q, ctx.seq_lens, max_q,
                        scale=scale, window=window, softcap=softcap)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """o * sigmoid(gate) (qwen3.5's gated attention output): o, gate [T, H, d] -> [T, H d] in
+    o's dtype, the gate rounded to it before the product. `quantize`: the result feeds a
+    linear; on the GPU one launch computes it and, where an int8 GEMV will read it
+    (`kernels.xq`), its codes too."""
+    if o.shape != gate.shape or o.dim() != 3:
+        raise ValueError(f"sigmoid_gate: o and gate must be [T, H, d] alike, got "
+                         f"{list(o.shape)} and {list(gate.shape)}")
+    t, h, d = o.shape
+    if (o.is_cuda and gate.is_cuda and o.stride(-1) == 1 and gate.stride(-1) == 1
+            and d & (d - 1) == 0 and o.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+        from freetoken.kernels.triton.glu import sigmoid_gate_triton  # lazy: needs triton
+
+        want = quantize and d % 32 == 0 and xq.wanted(o.reshape(t, h * d))
+        y, q = sigmoid_gate_triton(o, gate, want)
+        return xq.attach(y, q)
+    return (o * torch.sigmoid(gate.float()).to(o.dtype)).reshape(t, h * d)

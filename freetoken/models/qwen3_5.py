@@ -53,8 +53,8 @@ class Qwen3_5Attention(nn.Module):
                                              ctx.slot_mapping)
         o = kernels.paged_attention(q.contiguous(), k, v, cache, ctx, scale=c.scale,
                                     stored=stored)
-        o = o.reshape(-1, c.num_heads, d) * torch.sigmoid(gate.float()).to(o.dtype)
-        return self.o_proj(o.reshape(-1, c.num_heads * d))
+        o = kernels.sigmoid_gate(o.reshape(-1, c.num_heads, d), gate, quantize=True)
+        return self.o_proj(o)  # [T, Hq d], with its int8 codes where the GEMV takes them
 
 
 def gdn_spec(cfg: ModelConfig) -> GDNSpec:

@@ -1,5 +1,6 @@
-"""The MLP-tail kernels (kernels/triton/glu.py) against float64 math: the GLU act(g) * u and
-the shared expert's gate-and-sum y + sigmoid(x . w) * sh.
+"""The MLP-tail kernels (kernels/triton/glu.py) against float64 math: the GLU act(g) * u,
+the shared expert's gate-and-sum y + sigmoid(x . w) * sh, and qwen3.5's attention output
+gate o * sigmoid(g) with its int8 codes.
 
 Without CUDA they run under Triton's interpreter (TRITON_INTERPRET=1). Both compute in fp32
 and round once: fp32 outputs within 1e-5 |ref| + 1e-6 (a few fp32 ops; the gate's dot of H
@@ -10,6 +11,8 @@ terms ~H 2^-24 relative, inside the bound for H <= 160), bf16 within one roundin
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +23,15 @@ if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (
 
 pytest.importorskip("triton")
 
-from freetoken.kernels.triton.glu import gated_add_triton, glu_triton  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_cases as cases  # noqa: E402
+
+from freetoken.kernels.attention import sigmoid_gate  # noqa: E402
+from freetoken.kernels.triton.glu import (  # noqa: E402
+    gated_add_triton,
+    glu_triton,
+    sigmoid_gate_triton,
+)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -56,3 +67,26 @@ def test_gated_add(dtype: torch.dtype, hidden: int) -> None:
     out = gated_add_triton(y.to(DEV), sh.to(DEV), x.to(DEV), w.to(DEV))
     assert out.dtype == dtype and out.shape == y.shape
     _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_gate(dtype: torch.dtype) -> None:
+    """o * sigmoid(g) from strided views (the gate halves of q's projection), the gate rounded
+    to the dtype first as the model computes it: within one rounding of float64 (plus the
+    gate's rounding, one bf16 unit of the product); the codes are the quantizer's of the
+    stored output, bit for bit; the torch entry point (CPU) is the model's expression."""
+    gen = torch.Generator().manual_seed(11)
+    t, h, d = 3, 4, 64
+    qg = (torch.randn(t, h, 2 * d, generator=gen) * 2).to(dtype)
+    o, g = qg[..., :d].contiguous(), qg[..., d:]
+    ref = o.double() * torch.sigmoid(g.double())
+    y, q = sigmoid_gate_triton(o.to(DEV), g.to(DEV), True)
+    assert y.shape == (t, h * d) and y.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else (2.0 ** -7 if CUDA else 2.0 ** -6)
+    err = (y.cpu().double().view(t, h, d) - ref).abs()
+    assert bool((err <= tol * ref.abs() + 1e-6).all())
+    cases.check_codes(q, y)
+    y2, none = sigmoid_gate_triton(o.to(DEV), g.to(DEV), False)
+    assert none is None and torch.equal(y2.cpu(), y.cpu())
+    want = (o * torch.sigmoid(g.float()).to(dtype)).reshape(t, h * d)
+    assert torch.equal(sigmoid_gate(o, g), want)

@@ -1,11 +1,15 @@
-"""Two small fusions of a decoder layer's MLP tail, one launch each where torch runs several:
+"""Small fusions of a decoder layer's tails, one launch each where torch runs several:
 
 - `glu_triton(gu, I, act)`: a = act(g) * u from the fused gate/up output [T, 2I] (torch: the
   activation, then the product, two launches and an intermediate);
 - `gated_add_triton(y, sh, x, w)`: y + sigmoid(x . w) * sh, the shared expert's scalar gate
   per token and the sum with the routed experts (torch: a GEMV with N = 1, dtype casts, the
-  sigmoid, the product and the sum, seven launches).
-Both compute in fp32 and round once to the output dtype (torch rounds after each op in bf16).
+  sigmoid, the product and the sum, seven launches);
+- `sigmoid_gate_triton(o, gate)`: o * sigmoid(gate), qwen3.5's gated attention output, with
+  its int8 codes for the output projection's GEMV (torch: a cast, the sigmoid, a cast and the
+  product, four launches, and every GEMV program quantizing again).
+They compute in fp32 and round once to the output dtype (torch rounds after each op in bf16),
+except the gate, rounded to the dtype before the product, as the model computes it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.moe_grouped import glu
 
 _ACT = {"silu": 0, "gelu_tanh": 1}
@@ -71,3 +76,39 @@ def gated_add_triton(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
         _gated_add_kernel[(T,)](y, sh, x, w, out, y.stride(0), sh.stride(0), x.stride(0),
                                 out.stride(0), H=H, BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, q_ptr, stride_ot, stride_oh, stride_gt,
+                         stride_gh, stride_q, H: tl.constexpr, D: tl.constexpr,
+                         QUANT: tl.constexpr):
+    """Program (t, h): head h of token t, y = o * bf16(sigmoid(g)) into y [T, H D], and with
+    QUANT its D / 32 blocks of the row's int8 codes."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, D)
+    o = tl.load(o_ptr + t * stride_ot + h * stride_oh + d).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d).to(tl.float32)
+    dt = y_ptr.dtype.element_ty
+    y = (o * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt)
+    tl.store(y_ptr + t * (H * D) + h * D + d, y)
+    if QUANT:
+        quant_store(tl.reshape(y.to(tl.float32), (1, D)), q_ptr + t * stride_q, h * D,
+                    tl.arange(0, 1) < 1, H * D)
+
+
+def sigmoid_gate_triton(o: torch.Tensor, gate: torch.Tensor, quantize: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """o, gate [T, H, D] (unit stride in D, D a power of two) -> (o * sigmoid(gate) as
+    [T, H D] in o's dtype, its int8 codes [T, xq_len(H D)] with `quantize` (D a multiple of
+    32), else None). Checked by `freetoken.kernels.attention.sigmoid_gate`."""
+    t, h, d = o.shape
+    y = torch.empty(t, h * d, dtype=o.dtype, device=o.device)
+    q = torch.empty(t, xq_len(h * d), dtype=torch.int32, device=o.device) if quantize else None
+    if t:
+        q_ = q if q is not None else y
+        _sigmoid_gate_kernel[(t, h)](o, gate, y, q_, o.stride(0), o.stride(1), gate.stride(0),
+                                     gate.stride(1), q_.stride(0), H=h, D=d, QUANT=quantize,
+                                     num_warps=1 if d <= 256 else 4,
+                                     enable_fp_fusion=False)  # the quantizer's arithmetic
+    return y, q
