@@ -101,14 +101,16 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_rope_stores_kv(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("d,r", [(32, None), (64, 16)])
+def test_qk_rope_stores_kv(dtype: torch.dtype, d: int, r: int | None) -> None:
     """With the KV cache given, the same launch writes the rotated k and v into it, bit for
     bit what the separate store kernel writes from its outputs; a negative slot (a padded
-    row) writes nothing; q' and k' are what the plain call returns."""
+    row) writes nothing; q' and k' are what the plain call returns. r: partial rotary."""
     from freetoken.kernels.triton.attention import store_kv
 
-    t, hq, hkv, d, pages, page = 3, 4, 2, 32, 4, 4
-    q, k, cos, sin, (wq, wk) = _case(t, hq, hkv, d, dtype, True, seed=5)
+    t, hq, hkv, pages, page = 3, 4, 2, 4, 4
+    q, k, cos, sin, (wq, wk) = (_case(t, hq, hkv, d, dtype, True, seed=5) if r is None else
+                                _partial_case(t, hq, hkv, d, r, dtype, True, seed=9))
     v = (torch.randn(t, hkv, d, generator=torch.Generator().manual_seed(6)) * 2).to(dtype)
     slots = torch.tensor([5, -1, 13])
     args = [x.to(DEV) for x in (q, k, cos, sin, wq, wk)]
@@ -158,23 +160,3 @@ def test_partial_rotary(t, hq, hkv, d, r, norm, dtype):
         n = rms_norm(x, w, 1e-6) if norm else x
         want = torch.cat([apply_rotary(n[..., :r], cos, sin), n[..., r:]], dim=-1)
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_partial_rotary_stores_kv(dtype):
-    """Partial rotary with the KV cache given: the launch writes the rotated k and v, bit for
-    bit what the store kernel writes from the plain call's outputs."""
-    from freetoken.kernels.triton.attention import store_kv
-
-    t, hq, hkv, d, r, pages, page = 3, 4, 2, 64, 16, 4, 4
-    q, k, cos, sin, (wq, wk) = _partial_case(t, hq, hkv, d, r, dtype, True, seed=9)
-    v = (torch.randn(t, hkv, d, generator=torch.Generator().manual_seed(10)) * 2).to(dtype)
-    slots = torch.tensor([5, -1, 13])
-    args = [x.to(DEV) for x in (q, k, cos, sin, wq, wk)]
-    cache = torch.full((2, pages, page, hkv, d), 7.0, dtype=dtype, device=DEV)
-    qo, ko = qk_rope_triton(*args, 1e-6, (v.to(DEV), cache, slots.to(DEV)))
-    q2, k2 = qk_rope_triton(*args, 1e-6)
-    assert torch.equal(qo, q2) and torch.equal(ko, k2)
-    want = torch.full_like(cache, 7.0)
-    store_kv(want, k2, v.to(DEV), slots.to(DEV))
-    assert torch.equal(cache.cpu(), want.cpu())
