@@ -15,6 +15,8 @@ Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1). To
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +27,10 @@ if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (
 
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).parent))
+import triton_cases as cases  # noqa: E402
+
+from freetoken.kernels import xq  # noqa: E402
 from freetoken.kernels.triton.gdn import gdn_decode  # noqa: E402
 from freetoken.layers.gdn import GDNSpec, l2norm, recurrent_step  # noqa: E402
 
@@ -105,6 +111,25 @@ def test_decode_step_matches_float64(tiled: bool, dtype: torch.dtype,
     assert torch.equal(dconv.cpu()[untouched], conv[untouched])
     assert torch.equal(dssm.cpu()[untouched], ssm[untouched])
 
+
+
+def test_decode_step_codes_for_out_proj() -> None:
+    """With `quantize`, the gated norm also stores y's int8 codes for out_proj's GEMV, attached
+    to y: exactly the quantizer's codes of the stored y (each head writes its blocks of the
+    row), and y is the same as without them."""
+    spec = GDNSpec(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=64,
+                   head_v_dim=64, conv_kernel=4, norm_eps=1e-6, v_tiled=False)
+    proj, conv_w, neg_a, dt_bias, norm_w, conv, ssm = _case(spec, 3, 5, 21, torch.bfloat16)
+    slots = torch.tensor([2, 0, 3])
+    args = [t.to(DEV) for t in (proj, conv_w, neg_a, dt_bias, norm_w)]
+    ys = []
+    for quantize in (True, False):
+        ys.append(gdn_decode(args[0], spec, *args[1:], conv.clone().to(DEV),
+                             ssm.clone().to(DEV), slots.to(DEV), None, quantize=quantize))
+    q = xq.attached(ys[0])
+    assert q is not None and xq.attached(ys[1]) is None
+    cases.check_codes(q, ys[0])
+    assert torch.equal(ys[0].cpu(), ys[1].cpu())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),

@@ -10,7 +10,8 @@ GDN). Here, one token for each of B sequences, in place on the layer's state poo
    dk^-0.5), g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) from the projection,
    then on the slot's state tile S [dk, BV] (fp32, read and written once):
    S = exp(g) S;  S += k ((v - S^T k) beta)^T;  o = S^T q;
-3. `_gated_norm_kernel` (B x value heads): RMSNorm(o) w * silu(z), in the layer's dtype.
+3. `_gated_norm_kernel` (B x value heads): RMSNorm(o) w * silu(z), in the layer's dtype, and
+   (decode sizes on a GPU) its int8 codes for out_proj's GEMV (`kernels.xq`).
 A sequence at position 0 starts from zero states (`positions`), decided on the device, so the
 step has no host sync and sits in a CUDA graph. Rounding follows the torch path (fp32 states;
 o rounded to the layer's dtype before the norm, the norm's output rounded once).
@@ -21,6 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from freetoken.kernels import xq
+from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 
 
 @triton.jit
@@ -80,8 +84,8 @@ def _step_kernel(c_ptr, p_ptr, nega_ptr, dtb_ptr, ssm_ptr, slots_ptr, pos_ptr, o
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, p_ptr, w_ptr, y_ptr, stride_p, off_z, eps,
-                       NV: tl.constexpr, DV: tl.constexpr):
+def _gated_norm_kernel(o_ptr, p_ptr, w_ptr, y_ptr, q_ptr, stride_p, stride_q, off_z, eps,
+                       NV: tl.constexpr, DV: tl.constexpr, QUANT: tl.constexpr):
     r = tl.program_id(0)
     b = r // NV
     h = r % NV
@@ -90,7 +94,11 @@ def _gated_norm_kernel(o_ptr, p_ptr, w_ptr, y_ptr, stride_p, off_z, eps,
     n = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * tl.load(w_ptr + d)
     n = n.to(y_ptr.dtype.element_ty).to(tl.float32)
     z = tl.load(p_ptr + b * stride_p + off_z + h * DV + d).to(tl.float32)
-    tl.store(y_ptr + r * DV + d, (n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty))
+    y = (n * z * tl.sigmoid(z)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + r * DV + d, y)
+    if QUANT:  # head h's DV / 32 blocks of row b's codes (gemv_i8.quant_store)
+        quant_store(tl.reshape(y.to(tl.float32), (1, DV)), q_ptr + b * stride_q, h * DV,
+                    tl.arange(0, 1) < 1, NV * DV)
 
 
 def supported(spec) -> bool:
@@ -101,11 +109,13 @@ def supported(spec) -> bool:
 def gdn_decode(proj: torch.Tensor, spec, conv_w: torch.Tensor, neg_a: torch.Tensor,
                dt_bias: torch.Tensor, norm_w: torch.Tensor, conv: torch.Tensor,
                ssm: torch.Tensor, slots: torch.Tensor,
-               positions: torch.Tensor | None) -> torch.Tensor:
+               positions: torch.Tensor | None, quantize: bool | None = None) -> torch.Tensor:
     """One token for each of B sequences. proj [B, conv_dim + value_dim + 2 nv] (in_proj's
     output: qkv, z, b, a), conv_w fp32 [C, K], neg_a / dt_bias fp32 [nv], norm_w fp32 [dv],
     conv fp32 [slots, C, K-1] and ssm fp32 [slots, nv, dk, dv] (updated in place at `slots`
-    [B]), positions [B] or None -> y [B, value_dim] in proj's dtype (out_proj's input)."""
+    [B]), positions [B] or None -> y [B, value_dim] in proj's dtype (out_proj's input), with
+    its int8 codes attached (`kernels.xq`) where `quantize` (None: where an int8 GEMV takes
+    y, `xq.wanted`; dv a multiple of 32)."""
     s = spec
     B = proj.shape[0]
     C, K, nv, dk, dv = s.conv_dim, s.conv_kernel, s.num_v_heads, s.head_k_dim, s.head_v_dim
@@ -128,6 +138,12 @@ def gdn_decode(proj: torch.Tensor, spec, conv_w: torch.Tensor, neg_a: torch.Tens
         ssm.stride(0), s.key_dim, s.num_k_heads, nv // s.num_k_heads, dk ** -0.5,
         HAS_POS=positions is not None, TILED=s.v_tiled, NV=nv, DK=dk, DV=dv, BV=bv,
         num_warps=4)
-    _gated_norm_kernel[(B * nv,)](o, proj, norm_w, y, proj.stride(0), C, float(s.norm_eps),
-                                  NV=nv, DV=dv, num_warps=1 if dv <= 256 else 4)
-    return y
+    if quantize is None:
+        quantize = xq.wanted(y)
+    quantize = quantize and dv % 32 == 0
+    q = torch.empty(B, xq_len(s.value_dim), dtype=torch.int32, device=dev) if quantize else y
+    _gated_norm_kernel[(B * nv,)](o, proj, norm_w, y, q, proj.stride(0), q.stride(0), C,
+                                  float(s.norm_eps), NV=nv, DV=dv, QUANT=quantize,
+                                  num_warps=1 if dv <= 256 else 4,
+                                  enable_fp_fusion=False)  # the quantizer's arithmetic
+    return xq.attach(y, q) if quantize else y
