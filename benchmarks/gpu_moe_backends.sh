@@ -10,7 +10,7 @@
 #    backend at cache rate 0.1, batch 1 and 4, prefill 512, a profiled step; with BASE_TREE
 #    the same runs with that tree's code (before / after);
 # quick (about 6 minutes, the tables of a closing note): 3. the CUDA tests of the backends
-#    and the GPU kernels they use; 4. cpu and hybrid at cache rate 0.1: Qwen3.6-35B-A3B NVFP4 at
+#    and the GPU kernels they use (the decode kernels of qwen3.5 and the GPU parity tests too); 4. cpu and hybrid at cache rate 0.1: Qwen3.6-35B-A3B NVFP4 at
 #    batch 1-4, Qwen3-30B-A3B Q4_K and NVFP4 at batch 1 and 4, the 35B's prefill of 512 and
 #    2048 tokens, and a profiled hybrid step of the 35B at batch 1 (kernels and the hand-off
 #    worker's table);
@@ -65,7 +65,10 @@ if [ "$mode" = quick ]; then
     tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
     tests/moe/test_prefill_stream.py tests/kernels/test_triton_gdn.py \
     tests/kernels/test_triton_glu.py tests/kernels/test_triton_moe.py \
-    tests/kernels/test_triton_gemv_i8.py -k "cuda or slot or handoff or plan or gdn or glu or i8"
+    tests/kernels/test_triton_gemv_i8.py tests/kernels/test_triton_rotary.py \
+    tests/kernels/test_triton_route.py tests/gpu \
+    -k "cuda or slot or handoff or plan or gdn or glu or i8 or rope or rotary or route or gpu \
+or greedy or gate"
   decode() {  # decode NAME MODEL FORMAT BATCHES
     stage "$1" 200 python3 -m freetoken.cli bench decode --model "$2" --dummy-weights \
       --dummy-format "$3" --moe-backends cpu,hybrid --moe-cache-rates 0.1 --batch "$4" \
