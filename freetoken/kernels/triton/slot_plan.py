@@ -24,6 +24,10 @@ from freetoken.kernels.triton.handoff import write_job
 
 MAX_ROUTES = 64  # T * k of a call planned here (decode); more: the torch ops
 SCAN = 4096  # slots a chunk of the victim scan holds (one chunk: kept in registers)
+# Values of the job a round of `write_job`'s loops copies: each round waits for its loads, so
+# a decode step's x (T x hidden) goes out in as few rounds as the registers allow (one at one
+# token of 2048; the send kernel's 8 warps copy 1024 a round)
+JOB_BLOCK = 2048
 
 
 @triton.jit
@@ -156,5 +160,5 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
         ids.shape[1] if ids.dim() == 2 else 1, *send, S=S, E=E, EB=triton.next_power_of_2(E),
         RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
         HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
-        num_warps=4 if sb <= 1024 else 8)
+        BLOCK=JOB_BLOCK, num_warps=4 if sb <= 1024 else 8)
     return out
