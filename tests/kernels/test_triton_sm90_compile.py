@@ -1,0 +1,95 @@
+"""Triton kernels compiled for the H200 (sm_90, PTX and cubin through Triton's own ptxas) on a
+machine without a GPU, for every constexpr branch their entry points use.
+
+Triton's interpreter, which runs the kernel tests here, does not type-check: a name bound to
+int32 in one branch and int64 in another runs there and fails only when compiled (the q/k rope
+kernel with STORE off did so on the H200). Compiling needs no driver, so each case below is
+compiled in a child process without TRITON_INTERPRET (the test modules set it at import,
+and it is read when the kernels are decorated).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+# (module, kernel, pointer dtypes, constexprs, other scalars that are float, num_warps)
+_BF = "*bf16"
+CASES = {
+    f"rope-partial{p}-store{s}": (
+        "freetoken.kernels.triton.rotary", "_qk_rope_kernel",
+        {"q_ptr": _BF, "k_ptr": _BF, "v_ptr": _BF, "qw_ptr": "*fp32", "kw_ptr": "*fp32",
+         "qo_ptr": _BF, "ko_ptr": _BF, "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+         "cache_ptr": _BF, "slot_ptr": "*i64"},
+        dict(HQ=16, HKV=2, HALF=128 if p else 64, NORM=True, STORE=s, PDL=False,
+             RH=32 if p else 64, PARTIAL=p), ("eps",), 1)
+    for p in (False, True) for s in (False, True)
+}
+CASES.update({
+    f"sigmoid-gate-quant{q}": (
+        "freetoken.kernels.triton.glu", "_sigmoid_gate_kernel",
+        {"o_ptr": _BF, "g_ptr": _BF, "y_ptr": _BF, "q_ptr": "*i32"},
+        dict(H=16, D=256, QUANT=q), (), 1)
+    for q in (False, True)
+})
+CASES.update({
+    f"gdn-gated-norm-quant{q}": (
+        "freetoken.kernels.triton.gdn", "_gated_norm_kernel",
+        {"o_ptr": "*fp32", "p_ptr": _BF, "w_ptr": "*fp32", "y_ptr": _BF, "q_ptr": "*i32"},
+        dict(NV=32, DV=128, QUANT=q), ("eps",), 1)
+    for q in (False, True)
+})
+_PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
+              "last_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64",
+              "q_ptr": "*fp64", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,
+              "w_ptr": "*fp32", "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32", "hx": _BF}
+CASES.update({  # one chunk in registers (S <= SCAN) and several chunks; with and without SEND
+    f"slot-plan-S{S}-send{send}": (
+        "freetoken.kernels.triton.slot_plan", "_plan_kernel", _PLAN_PTRS,
+        dict(S=S, E=256, EB=256, RB=32, NB=32, SB=min(4096, 1 << (S - 1).bit_length()),
+             HAS_LIVE=True, SEND=send, H=2048, BLOCK=2048), (), 8 if S > 1024 else 4)
+    for S in (1000, 2560, 9000) for send in (False, True)
+})
+
+
+def _compile(name: str) -> None:
+    """Compile one case for sm_90 (in a process without TRITON_INTERPRET)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, kernel, ptrs, const, floats, warps = CASES[name]
+    fn = getattr(importlib.import_module(module), kernel)
+    sig = {p: "constexpr" if p in const else ptrs.get(p, "fp32" if p in floats else "i32")
+           for p in inspect.signature(fn.fn).parameters}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert k.asm["cubin"], name
+
+
+def test_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, __file__, *CASES], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert r.stdout.split().count("ok") == len(CASES), r.stdout
+
+
+if __name__ == "__main__":
+    failed = []
+    for case in sys.argv[1:]:
+        try:
+            _compile(case)
+            print(case, "ok")
+        except Exception as exc:  # report every case, then fail
+            failed.append(case)
+            print(case, "FAILED:", type(exc).__name__, str(exc)[-1500:])
+    sys.exit(1 if failed else 0)
