@@ -255,9 +255,10 @@ def bench_router(e: int = 128, h: int = 2048) -> None:
 
 def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -> None:
     """The slot cache's plan at 1 and 4 tokens (Qwen3.6-35B-A3B's 256 experts top-8, a pool of
-    1024 slots; more layers than the pool holds, so every call evicts): posting the CPU's job
-    from the plan kernel against the plan kernel followed by the send kernel. us per layer
-    call, replayed from a CUDA graph; no worker answers (the jobs are only written)."""
+    `slots`, 1024 being its rate 0.1 and 2560 its 0.25; more layers than the pool holds, so
+    every call evicts): posting the CPU's job from the plan kernel against the plan kernel
+    followed by the send kernel. us per layer call, replayed from a CUDA graph; no worker
+    answers (the jobs are only written)."""
     from freetoken.kernels.triton.handoff import job_args, send
     from freetoken.kernels.triton.slot_plan import plan_triton
     from freetoken.moe.handoff import layout
@@ -290,7 +291,7 @@ def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -
         for label, fused in (("plan + send kernel", False), ("plan posting the job", True)):
             _, g = time_call(lambda fused=fused: calls(fused))
             cells.append(f"{label} {g * 1e3 / layers:.1f} us" if g else f"{label} -")
-        print(f"slot plan {t} token(s): " + " | ".join(cells), flush=True)
+        print(f"slot plan, {slots} slots, {t} token(s): " + " | ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -306,12 +307,15 @@ def main() -> None:
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     p.add_argument("--plan", action="store_true",
                    help="only time the slot plan with and without posting the CPU's job")
+    p.add_argument("--plan-slots", default="1024,2560",
+                   help="pool sizes of --plan (the 35B's cache rates 0.1 and 0.25)")
     a = p.parse_args()
     if a.router:
         bench_router()
         return
     if a.plan:
-        bench_plan()
+        for slots in (int(n) for n in a.plan_slots.split(",")):
+            bench_plan(slots=slots)
         return
     hbm = hbm_copy_gbs()
     print(f"HBM copy (read + write): {hbm:.0f} GB/s  ({torch.cuda.get_device_name()})")

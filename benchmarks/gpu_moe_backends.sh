@@ -10,7 +10,7 @@
 #    backend at cache rate 0.1, batch 1 and 4, prefill 512, a profiled step; with BASE_TREE
 #    the same runs with that tree's code (before / after);
 # quick (about 6 minutes, the tables of a closing note): 3. the CUDA tests of the backends
-#    and the GPU kernels they use (the decode kernels of qwen3.5 and the GPU parity tests too); 4. cpu and hybrid at cache rate 0.1: Qwen3.6-35B-A3B NVFP4 at
+#    and the GPU kernels they use (the decode kernels of qwen3.5 and the GPU parity tests too); 4. cpu and hybrid at cache rate 0.1 (the 35B also at 0.25, batch 1 and 4, in a process of its own): Qwen3.6-35B-A3B NVFP4 at
 #    batch 1-4, Qwen3-30B-A3B Q4_K and NVFP4 at batch 1 and 4, the 35B's prefill of 512 and
 #    2048 tokens, and a profiled hybrid step of the 35B at batch 1 (kernels and the hand-off
 #    worker's table);
@@ -69,12 +69,14 @@ if [ "$mode" = quick ]; then
     tests/kernels/test_triton_route.py tests/gpu \
     -k "cuda or slot or handoff or plan or gdn or glu or i8 or rope or rotary or route or gpu \
 or greedy or gate"
-  decode() {  # decode NAME MODEL FORMAT BATCHES
+  decode() {  # decode NAME MODEL FORMAT BATCHES [RATE]: a process of its own per call
     stage "$1" 200 python3 -m freetoken.cli bench decode --model "$2" --dummy-weights \
-      --dummy-format "$3" --moe-backends cpu,hybrid --moe-cache-rates 0.1 --batch "$4" \
+      --dummy-format "$3" --moe-backends cpu,hybrid --moe-cache-rates "${5:-0.1}" --batch "$4" \
       --tokens 16 --prompt-len 32 --warmup 3 --no-show-progress --json "$out/$1.json"
   }
   decode q_35b qwen3.6-35b-a3b nvfp4 1,2,3,4
+  # rate 0.25 alone: in one process after 0.1 it measured slower than 0.1 (b4 144 against 199)
+  decode q_35b_r25 qwen3.6-35b-a3b nvfp4 1,4 0.25
   decode q_30b_q4k qwen3-30b-a3b q4_k 1,4
   decode q_30b_nvfp4 qwen3-30b-a3b nvfp4 1,4
   stage q_35b_prefill 150 python3 -m freetoken.cli bench prefill --model qwen3.6-35b-a3b \
