@@ -9,9 +9,11 @@
 #    models), the slot cache and its plan kernel; 4. a 2-layer Qwen3-30B-A3B shape, every
 #    backend at cache rate 0.1, batch 1 and 4, prefill 512, a profiled step; with BASE_TREE
 #    the same runs with that tree's code (before / after);
-# quick (about 6 minutes, the tables of a closing note): 3. the CUDA tests of the backends
-#    and the GPU kernels they use (the decode kernels of qwen3.5 and the GPU parity tests too); 4. cpu and hybrid at cache rate 0.1 (the 35B also at 0.25, batch 1 and 4, in a process of its own): Qwen3.6-35B-A3B NVFP4 at
-#    batch 1-4, Qwen3-30B-A3B Q4_K and NVFP4 at batch 1 and 4, the 35B's prefill of 512 and
+# quick (about 7 minutes, the tables of a closing note): 3. the CUDA tests of the backends
+#    and the GPU kernels they use (the decode kernels of qwen3.5 and the GPU parity tests
+#    too); 4. cpu and hybrid at cache rate 0.1: Qwen3.6-35B-A3B NVFP4 at batch 1-4 (and at
+#    rate 0.25, batch 1 and 4, in a process of its own), Qwen3-30B-A3B Q4_K and NVFP4 at
+#    batch 1 and 4, the 35B's prefill of 512 and
 #    2048 tokens, and a profiled hybrid step of the 35B at batch 1 (kernels and the hand-off
 #    worker's table);
 # full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
