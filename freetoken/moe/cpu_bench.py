@@ -227,10 +227,17 @@ def paired(run, ceil: Ceiling, runs: int) -> Figure:
     return Figure(best, pct)
 
 
-def dot_l2(ex: CpuMoeExecutor) -> tuple[float, float]:
-    """(best, median) GB/s of the 1-core L2 dot over L2_TRIALS short runs."""
-    K, N = 2048, 896  # 896 rows x 1152 B = 1 MiB: fits a 2 MiB L2
-    w = nvfp4_bank(1, N, K, 7)
+# rows of about 1 MiB at K = 2048 (fits a 2 MiB L2) for the 1-core L2 dot, per format
+L2_ROWS = {"nvfp4": 896, "Q4_K": 896, "Q6_K": 640, "Q8_0": 480}
+
+
+def dot_l2(ex: CpuMoeExecutor, fmt: str = "nvfp4") -> tuple[float, float]:
+    """(best, median) GB/s of the 1-core L2 dot of one `fmt` matrix (L2_ROWS) over L2_TRIALS
+    short runs."""
+    if fmt not in L2_ROWS:
+        raise ValueError(f"dot_l2: fmt must be one of {', '.join(L2_ROWS)}, got {fmt!r}")
+    K = 2048
+    w = make_weights(fmt, 1, L2_ROWS[fmt], K, 7)
     x = torch.randn(K)
     bank = make_bank(w, "w")
     _, it = _repeat(lambda i: ex._ex.time_dot(bank, 0, x.data_ptr(), i, 1), L2_RUN_SECONDS)

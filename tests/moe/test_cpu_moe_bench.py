@@ -38,6 +38,20 @@ def test_bench_cpu_moe_small(monkeypatch, tmp_path, capsys):
     assert "read ceiling" in text and "%)" in text and "B/cycle" in text
 
 
+def test_dot_l2_per_format(monkeypatch):
+    """cpu_bench.dot_l2 (benchmarks/bench_cpu_dot_l2.py) for every format it sizes: best >=
+    median > 0; another format is refused by name."""
+    from freetoken.moe.cpu_executor import CpuMoeExecutor
+
+    monkeypatch.setattr(cpu_bench, "L2_TRIALS", 5)
+    ex = CpuMoeExecutor(1)
+    for fmt in cpu_bench.L2_ROWS:
+        best, median = cpu_bench.dot_l2(ex, fmt)
+        assert best >= median > 0, fmt
+    with pytest.raises(ValueError, match="Q5_K"):
+        cpu_bench.dot_l2(ex, "Q5_K")
+
+
 def test_bench_needs_a_name(capsys):
     assert cli.main(["bench"]) == 2
 
