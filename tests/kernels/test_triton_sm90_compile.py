@@ -10,6 +10,7 @@ and it is read when the kernels are decorated).
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -17,7 +18,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
+# not imported here: triton imported before a later test module sets TRITON_INTERPRET leaves
+# that module's kernels half interpreted
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="needs triton")
 
 # (module, kernel, pointer dtypes, constexprs, other scalars that are float, num_warps)
 _BF = "*bf16"
@@ -49,25 +53,29 @@ _PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
               "last_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64",
               "q_ptr": "*fp64", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,
               "w_ptr": "*fp32", "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32", "hx": _BF}
-CASES.update({  # one chunk in registers (S <= SCAN) and several chunks; with and without SEND
+# one chunk in registers (S <= SCAN) and several chunks; with and without SEND. SB, BLOCK and
+# the warps are plan_triton's (`slot_plan.scan_shape`, JOB_BLOCK), filled in by the child: this
+# process must not import the kernels (it would decorate them before TRITON_INTERPRET is set)
+CASES.update({
     f"slot-plan-S{S}-send{send}": (
         "freetoken.kernels.triton.slot_plan", "_plan_kernel", _PLAN_PTRS,
-        dict(S=S, E=256, EB=256, RB=32, NB=32, SB=min(4096, 1 << (S - 1).bit_length()),
-             HAS_LIVE=True, SEND=send, H=2048, BLOCK=2048), (), 8 if S > 1024 else 4)
+        dict(S=S, E=256, EB=256, RB=32, NB=32, HAS_LIVE=True, SEND=send, H=2048), (), None)
     for S in (1000, 2560, 9000) for send in (False, True)
 })
 
 
 def _compile(name: str) -> None:
     """Compile one case for sm_90 (in a process without TRITON_INTERPRET)."""
-    import importlib
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     module, kernel, ptrs, const, floats, warps = CASES[name]
-    fn = getattr(importlib.import_module(module), kernel)
+    mod = importlib.import_module(module)
+    fn = getattr(mod, kernel)
+    if kernel == "_plan_kernel":  # plan_triton's launch shape
+        sb, warps = mod.scan_shape(const["S"])
+        const = {**const, "SB": sb, "BLOCK": mod.JOB_BLOCK}
     sig = {p: "constexpr" if p in const else ptrs.get(p, "fp32" if p in floats else "i32")
            for p in inspect.signature(fn.fn).parameters}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),

@@ -133,6 +133,13 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
                   act, xdt, T, o_go, o_job, o_ids, o_w, o_map, o_x, H, K, E, BLOCK)
 
 
+def scan_shape(S: int) -> tuple[int, int]:
+    """(SB, num_warps) of the plan kernel for a pool of S slots: a chunk of the victim scan
+    (one chunk, in registers, up to SCAN slots) and the warps that hold it."""
+    sb = min(SCAN, triton.next_power_of_2(S))
+    return sb, 4 if sb <= 1024 else 8
+
+
 def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
                 count: bool, live: torch.Tensor | None = None, job=None) -> torch.Tensor:
     """fetched int64 [2, n] for `SlotCache.plan` (see there); q: float64 [1] on the device
@@ -153,12 +160,12 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     else:
         args, consts = job
         send = (args[0],) + args[2:]  # the plan's own ids are the job's
-    sb = min(SCAN, triton.next_power_of_2(S))
+    sb, warps = scan_shape(S)
     _plan_kernel[(1,)](
         flat, R, cache.slot_of, cache.owner, cache.last_use, cache.clock, cache.counters, q,
         out, layer * E, min(cap, n), int(count), n, live if live is not None else out,
         ids.shape[1] if ids.dim() == 2 else 1, *send, S=S, E=E, EB=triton.next_power_of_2(E),
         RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
         HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
-        BLOCK=JOB_BLOCK, num_warps=4 if sb <= 1024 else 8)
+        BLOCK=JOB_BLOCK, num_warps=warps)
     return out
