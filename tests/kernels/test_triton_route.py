@@ -266,7 +266,6 @@ def test_add_rms_norm_route_entry(monkeypatch) -> None:
     assert routes_of(y2) is None and torch.equal(s2, s_ref)
 
 
-
 # -- ties: many experts share a score ------------------------------------------------------------
 def _tie_logits(t: int, e: int, seed: int) -> torch.Tensor:
     """Logits on a coarse grid (steps of 1/2, e // 16 levels or 4): every level is shared by
@@ -354,6 +353,7 @@ def test_ties_fused(scoring: str, e: int) -> None:
         scoring == "sigmoid", True, dbias)
     logits = y.cpu().double() @ gate.double().T  # y is exactly y_i e_i: ties as in the gate
     _check_ties(ids, w, _tie_ref(logits, k, scoring, True, bias))
+
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

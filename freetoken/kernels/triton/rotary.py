@@ -108,8 +108,10 @@ def _qk_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, qo_ptr, ko_ptr, cos_ptr
                     qo_ptr + (t * HQ + h) * (2 * HALF), qo_ptr, HALF, RH, NORM, PARTIAL)
     elif h < HQ + HKV:
         hk = h - HQ
-        ks = tl.load(slot_ptr + t).to(tl.int64) if STORE else 0  # (one name per branch:
-        _rope_store(k_ptr + t * sk_t + hk * sk_h, kw_ptr, cos, sin, eps,  # Triton types them)
+        # its own name: Triton types a name across the if / elif / else, and the value branch's
+        # slot is int64 where this one is the int32 0 without STORE
+        ks = tl.load(slot_ptr + t).to(tl.int64) if STORE else 0
+        _rope_store(k_ptr + t * sk_t + hk * sk_h, kw_ptr, cos, sin, eps,
                     ko_ptr + (t * HKV + hk) * (2 * HALF),
                     cache_ptr + (ks * HKV + hk) * (2 * HALF), HALF, RH, NORM, PARTIAL,
                     STORE, ks >= 0)
