@@ -307,14 +307,17 @@ def main() -> None:
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     p.add_argument("--plan", action="store_true",
                    help="only time the slot plan with and without posting the CPU's job")
-    p.add_argument("--plan-slots", default="1024,2560",
-                   help="pool sizes of --plan (the 35B's cache rates 0.1 and 0.25)")
+    p.add_argument("--plan-slots", default=None,
+                   help="pool sizes of --plan (default 1024,2560: the 35B's cache rates 0.1 "
+                        "and 0.25)")
     a = p.parse_args()
+    if a.plan_slots is not None and not a.plan:
+        p.error("--plan-slots goes with --plan")
     if a.router:
         bench_router()
         return
     if a.plan:
-        for slots in (int(n) for n in a.plan_slots.split(",")):
+        for slots in (int(n) for n in (a.plan_slots or "1024,2560").split(",")):
             bench_plan(slots=slots)
         return
     hbm = hbm_copy_gbs()

@@ -13,9 +13,8 @@
 #    and the GPU kernels they use (the decode kernels of qwen3.5 and the GPU parity tests
 #    too); 4. cpu and hybrid at cache rate 0.1: Qwen3.6-35B-A3B NVFP4 at batch 1-4 (and at
 #    rate 0.25, batch 1 and 4, in a process of its own), Qwen3-30B-A3B Q4_K and NVFP4 at
-#    batch 1 and 4, the 35B's prefill of 512 and
-#    2048 tokens, and a profiled hybrid step of the 35B at batch 1 (kernels and the hand-off
-#    worker's table);
+#    batch 1 and 4, the 35B's prefill of 512 and 2048 tokens, and a profiled hybrid step of
+#    the 35B at batch 1 (kernels and the hand-off worker's table);
 # full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
 #    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
