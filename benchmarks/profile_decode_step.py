@@ -12,6 +12,10 @@ or a torch-reference fallback inside the step (`aten::_local_scalar_dense` = `.i
 `.tolist()`, memcpy, stream / device synchronize), per step. Without CUDA it profiles the CPU
 ops instead (a small model: `--dummy-layers 2`), so the script itself is tested on any machine.
 
+`--prefill 512,2048` also profiles the prefill of one prompt of each length (one engine step
+each, after an untimed one of the same length), first, in the same table (`--batch ''`: no
+decode tables).
+
 `--kernel-ab` (CUDA) times the decode kernels whose settings changed with this profile against
 their previous settings, at one token on Qwen3-30B-A3B shapes, replayed from CUDA graphs
 (benchmarks/bench_gpu_kernels.py's timer): the Q8_0 GEMV on blocks as stored vs split
@@ -44,8 +48,8 @@ def _engine(args: argparse.Namespace):
     from freetoken.engine.engine import Engine
     from freetoken.models.dummy import IdTokenizer
 
-    config = bench_config(engine_config_from_args(args), args.batch, args.prompt_len,
-                          args.steps + args.warmup, args.warmup, [])
+    config = bench_config(engine_config_from_args(args), args.batch or [1], args.prompt_len,
+                          args.steps + args.warmup, args.warmup, args.prefill)
     tokenizer = IdTokenizer(1)
     engine = Engine(config, tokenizer=tokenizer)
     tokenizer.vocab_size = engine.model.config.vocab_size
@@ -118,6 +122,21 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
                   on_cuda, args.rows) + handoff_table
 
 
+def profile_prefill(runner, prompt_len: int, args: argparse.Namespace) -> str:
+    """Profile the prefill of one `prompt_len`-token prompt (after one untimed prefill of the
+    same length: kernels compile and tune per shape); the printed table as a string."""
+    dev = runner.engine.device
+    on_cuda = dev.type == "cuda"
+    runner.prefill(prompt_len)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with profile(activities=acts) as prof:
+        wall = runner.prefill(prompt_len) * 1e6
+    if args.trace:
+        prof.export_chrome_trace(f"{args.trace}.p{prompt_len}.json")
+    return _table(_kernel_rows(prof, on_cuda), _host_calls(prof), f"prefill {prompt_len}", 1,
+                  wall, on_cuda, args.rows)
+
+
 def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     """With an expert-cache backend (cpu, hybrid, offload's leftovers): `steps` decode steps
     without the profiler, the hand-off worker's job record on, summed per step: where the
@@ -171,11 +190,12 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], batch: int, steps: int,
+def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], batch, steps: int,
            wall_us: float, on_cuda: bool, limit: int) -> str:
     total = sum(t for _, t in rows.values()) / steps
     what = "kernel" if on_cuda else "CPU op (self time)"
-    out = [f"== batch {batch}: {steps} steps, {wall_us:.1f} us per step (wall, profiler on), "
+    what_step = batch if isinstance(batch, str) else f"batch {batch}"
+    out = [f"== {what_step}: {steps} steps, {wall_us:.1f} us per step (wall, profiler on), "
            f"{total:.1f} us of {what} time per step, "
            f"{sum(c for c, _ in rows.values()) / steps:.0f} launches per step",
            f"{what[:60]:<60} {'calls/step':>10} {'us/step':>9} {'share':>7}"]
@@ -238,6 +258,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="profiled decode steps per batch")
     p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
     p.add_argument("--rows", type=int, default=40, help="kernels listed per table")
+    p.add_argument("--prefill", default="",
+                   type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="comma-separated prompt lengths whose prefill (one prompt, one step "
+                   "each) is profiled first")
     p.add_argument("--kernel-ab", action="store_true",
                    help="only time the changed decode kernels against their previous settings")
     p.add_argument("--trace", default=None, metavar="PREFIX",
@@ -252,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         kernel_ab()
         return 0
     runner = _engine(args)
+    for n in args.prefill:
+        print(profile_prefill(runner, n, args), flush=True)
     for b in args.batch:
         print(profile_batch(runner, b, args), flush=True)
     return 0

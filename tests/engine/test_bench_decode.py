@@ -198,3 +198,20 @@ def test_profile_decode_step_with_a_cache_backend(capsys):
     assert out.count("== hand-off worker, 3 steps without the profiler") == 2
     assert out.count("2.0 jobs per step") == 2  # two MoE layers
     assert "executor (CPU experts' compute)" in out and "counters per step: hits" in out
+
+
+def test_profile_decode_step_prefill(capsys):
+    """benchmarks/profile_decode_step.py --prefill: one table per prompt length, of that one
+    prefill step, and no decode tables with an empty --batch."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_decode_step as pds
+
+    assert pds.main(["--model", "tiny-qwen3-moe", "--dummy-weights", "--dummy-format", "q4_k",
+                     "--device", "cpu", "--prefill", "16,40", "--batch", "", "--rows", "3",
+                     "--no-show-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "== prefill 16: 1 steps" in out and "== prefill 40: 1 steps" in out
+    assert "== batch" not in out
