@@ -154,8 +154,12 @@ SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048,
                (16, 2048, 8), (2, 2048, 4)]
 # (BM, BN, BK, num_warps) for 16 and 512 tokens; BK 0 = the format's (256 for Q4_K, else 128)
 DOT_TILES = {16: [(16, 16, 0, 4), (16, 32, 0, 4), (16, 64, 0, 4), (16, 32, 0, 8), (16, 32, 0, 2)],
+             # prefill (more than 128 tokens); at 512 tokens top-8 over 128 experts an expert
+             # has 32 routes on average, so BM = 32 pads its block less than 64
              512: [(64, 64, 0, 4), (64, 64, 0, 8), (128, 64, 0, 8), (64, 128, 0, 8),
-                   (128, 128, 0, 8), (32, 64, 0, 4)]}
+                   (128, 128, 0, 8), (32, 64, 0, 4), (32, 128, 0, 4), (32, 128, 0, 8),
+                   (64, 128, 0, 4), (64, 256, 0, 8), (32, 256, 0, 8), (64, 64, 256, 4),
+                   (32, 128, 256, 4), (32, 64, 64, 4)]}
 
 
 def _i8(fmt: str) -> bool:
@@ -190,7 +194,7 @@ def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int =
     gemv_tiles = I8_TILES if _i8(fmt) else GEMV_TILES
     for m in tokens:
         tiles = [(1, bn, bk, w) for bn, bk, w in gemv_tiles] if m == 1 else \
-            [(bm, bn, bk or fbk, w) for bm, bn, bk, w in DOT_TILES.get(m, DOT_TILES[16])]
+            [(bm, bn, bk or fbk, w) for bm, bn, bk, w in DOT_TILES[512 if m > 128 else 16]]
         if 1 < m <= 4 and _i8(fmt):  # the int8 GEMV once per token
             tiles += [(1, bn, bk, w) for bn, bk, w in I8_TILES if bk >= 1024]
         if m == 16:
@@ -233,6 +237,28 @@ def sweep_split(hbm: float) -> None:
                           2 * m * n * k) for t in tiles]
             print(f"sweep Q8_0s {name} m={m:2d}:\n  " + "\n  ".join(cells), flush=True)
     print(f"(HBM copy {hbm:.0f} GB/s)")
+
+
+def bench_dense_gemm(tokens: tuple[int, ...] = (128, 256, 512, 2048)) -> None:
+    """Prefill's dense linears: the tl.dot tiles (`linear._blocks`' choice) against decoded
+    rows and torch's GEMM (`linear.dequant_gemm`, the choice from DEQUANT_GEMM_TOKENS)."""
+    from freetoken.kernels.triton.formats import format_id
+    from freetoken.kernels.triton.linear import _DOT, _blocks, dequant_gemm, triton_linear
+
+    for fmt in ("nvfp4", "Q4_K", "Q8_0s"):
+        for name, n, k in DENSE[:2]:
+            qw = make_weight(fmt, (n, k))
+            for m in tokens:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                t = _blocks(m, n, k, format_id(qw), _DOT[x.dtype])
+                flops = 2 * m * n * k
+                cells = [_try(f"tiles {t}", lambda x=x, qw=qw, t=t: triton_linear(x, qw, t),
+                              qw.nbytes(), flops),
+                         _try("decoded + GEMM", lambda x=x, qw=qw, o=out: dequant_gemm(x, qw, o),
+                              qw.nbytes(), flops)]
+                print(f"dense {fmt:6s} {name} {n}x{k} m={m:4d}: " + " | ".join(cells),
+                      flush=True)
 
 
 def bench_router(e: int = 128, h: int = 2048) -> None:
@@ -305,6 +331,9 @@ def main() -> None:
     p.add_argument("--sweep-moe", default="128,768",
                    help="experts,FFN of the sweep's MoE layer (256,512: Qwen3.6-35B-A3B)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
+    p.add_argument("--dense-gemm", action="store_true",
+                   help="only time prefill's dense linears: tl.dot tiles against decoded rows "
+                        "and torch's GEMM")
     p.add_argument("--plan", action="store_true",
                    help="only time the slot plan with and without posting the CPU's job")
     p.add_argument("--plan-slots", default=None,
@@ -315,6 +344,9 @@ def main() -> None:
         p.error("--plan-slots goes with --plan")
     if a.router:
         bench_router()
+        return
+    if a.dense_gemm:
+        bench_dense_gemm()
         return
     if a.plan:
         for slots in (int(n) for n in (a.plan_slots or "1024,2560").split(",")):

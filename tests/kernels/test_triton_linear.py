@@ -65,18 +65,48 @@ def test_triton_linear_matches_reference(fmt):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("fmt", cases.FORMATS)
-def test_linear_entry_point_bf16_cuda(fmt, monkeypatch):
+def test_linear_entry_point_bf16_cuda(fmt, per_row, monkeypatch):
     # the fp32 GEMV at decode sizes (the bound above); the int8 dots have their own test
-    # (test_triton_gemv_i8.py)
+    # (test_triton_gemv_i8.py); 512 tokens: decoded rows and torch's GEMM where the format
+    # has fast tiles (`dequant_gemm`), tl.dot tiles otherwise
     monkeypatch.setenv("FREETOKEN_GPU_INT8_DOT", "0")
-    qw, w = _case(fmt, len(fmt) * 17, per_row=False)
+    qw, w = _case(fmt, len(fmt) * 17, per_row=per_row)
     qd = cases.to_device(qw, DEV)
     for m in (1, 4, 16, 512):
         x = torch.randn(m, K, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
         y = linear(x.to(DEV), qd)
         assert y.dtype == torch.bfloat16
         _check(y.float(), x.float(), w, qw.scale2)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "Q8_0", "Q4_K", "Q6_K"])
+def test_dequant_gemm_in_row_chunks(fmt, monkeypatch):
+    """`dequant_gemm` (prefill's decoded rows and torch's GEMM) against float64, bf16 x, its
+    rows decoded in chunks (the byte cap lowered to 256 rows a chunk: 600 rows, 3 chunks),
+    within the bf16 bound above; per-row scale2 where torch's GEMM returns fp32 (CUDA), else
+    none. Formats without fast tiles (Q6_K) are declined, out untouched."""
+    import freetoken.kernels.triton.linear as tl_linear
+
+    n, k = 600, 512
+    monkeypatch.setattr(tl_linear, "DEQUANT_GEMM_BYTES", 256 * 2 * k)
+    gen = torch.Generator().manual_seed(len(fmt))
+    qw = cases.random_weight(fmt, gen, n, k)
+    qw.scale2 = torch.rand(n, generator=gen) + 0.5 if CUDA else None
+    w = dequantize(qw)
+    x = torch.randn(300, k, generator=gen).to(torch.bfloat16)
+    out = torch.full((300, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    done = tl_linear.dequant_gemm(x.to(DEV), cases.to_device(qw, DEV), out)
+    if fmt == "Q6_K":
+        assert not done and bool(out.isnan().all())
+        return
+    assert done
+    s2 = qw.scale2 if CUDA else torch.ones(())
+    ref = (x.double() @ w.double().T) * s2.double()
+    bound = cases.bf16_bound((x.double().abs() @ w.double().abs().T) * s2.double())
+    err = (out.double().cpu() - ref).abs()
+    assert bool((err <= bound).all()), f"max error / bound {float((err / bound).max()):.2f}"
 
 
 @pytest.mark.parametrize("fmt", ["Q6_K", "nvfp4", "fp8_block"])

@@ -246,11 +246,68 @@ def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, 
     return 64, 64, bk, 8
 
 
+# Tokens from which a linear decodes its weight to x's 16-bit dtype (the fast tiles, exactly
+# the values the tl.dot tiles feed the tensor cores) and multiplies with torch's GEMM instead:
+# the tl.dot kernels decode every tile in registers and reach 50-110 TFLOP/s at prefill sizes
+# (bench_gpu_kernels.py --sweep, H200: qkv 5120x2048 at 512 tokens 123-211 us by tile), a
+# decode pass plus the library GEMM runs its tensor cores at full rate. Measured with
+# bench_gpu_kernels.py --dense-gemm (see `dequant_gemm`).
+DEQUANT_GEMM_TOKENS = 256
+# Most bytes of decoded weight rows one GEMM takes: larger weights go in chunks of rows (a
+# prefill that wants every position's logits must not allocate a whole lm_head in bf16).
+DEQUANT_GEMM_BYTES = 64 << 20
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b accumulated and returned in fp32 (16-bit operands), or None where torch lacks it
+    (older releases; the CPU)."""
+    dev = a.device.type
+    if dev not in _MM_OUT_DTYPE:
+        try:
+            torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
+            _MM_OUT_DTYPE[dev] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE[dev] = False
+    return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE[dev] else None
+
+
+def dequant_gemm(x2: torch.Tensor, qw: QuantWeight, out: torch.Tensor) -> bool:
+    """out [M, N] = (x2 [M, K] @ W^T) * scale2 through decoded rows and torch's GEMM (16-bit
+    x2, a format with fast tiles, K a multiple of 256); False (out untouched) where it does
+    not apply. The GEMM's operands are the tl.dot path's (weights rounded once to x2's dtype),
+    accumulated in fp32; scale2 multiplies the fp32 result before the one rounding to out's
+    dtype, as the kernels' epilogue does."""
+    fmt, (n, k) = format_id(qw), (qw.out_features, qw.in_features)
+    if x2.dtype not in (torch.bfloat16, torch.float16) or fmt is None \
+            or not has_fast_tile(fmt, k, 256):
+        return False
+    mode, s2 = _scale2_args(qw, n, out)
+    data, scales = weight_args(qw)
+    rows = max(256, DEQUANT_GEMM_BYTES // (2 * k) // 256 * 256)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = _dequant_rows(data[n0:n1], scales[n0:n1], fmt, k, x2.dtype)
+        if mode == 0:
+            y = torch.mm(x2, w.t())
+        else:
+            y = _mm_fp32(x2, w.t())
+            if y is None:
+                return False
+            y *= s2 if mode == 1 else s2[n0:n1]
+        if n1 - n0 == n:
+            out.copy_(y)
+        else:
+            out[:, n0:n1] = y
+    return True
+
+
 def triton_linear(x: torch.Tensor, qw: QuantWeight,
                   tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """y[..., N] = (x[..., K] @ W^T) * scale2 in x's dtype (no bias), W in its storage format.
 
-    `tiles` (BM, BN, BK, num_warps) overrides the choice by shape (tests, benchmarks)."""
+    `tiles` (BM, BN, BK, num_warps) overrides the choice by shape (tests, benchmarks); from
+    `DEQUANT_GEMM_TOKENS` tokens without it, decoded rows and torch's GEMM (`dequant_gemm`)."""
     fmt = format_id(qw)
     if fmt is None:
         raise ValueError(f"{qw.source or 'weight'}: no GPU kernel for {qw.fmt} "
@@ -262,6 +319,8 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:  # an empty batch: no grid to launch
+        return out.reshape(*x.shape[:-1], n)
+    if tiles is None and m >= DEQUANT_GEMM_TOKENS and dequant_gemm(x2, qw, out):
         return out.reshape(*x.shape[:-1], n)
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
@@ -311,11 +370,18 @@ def triton_rows(qw: QuantWeight, ids: torch.Tensor, dtype: torch.dtype,
 def triton_dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32,
                       bn: int = 16) -> torch.Tensor:
     """The whole 2-D weight decoded on the device by the fast tiles (no scale2): [N, K]."""
-    fmt, (n, k) = format_id(qw), qw.shape
+    fmt, k = format_id(qw), qw.shape[-1]
     bk = 256 if fmt == 13 else 64
     if fmt is None or not has_fast_tile(fmt, k, bk):
         raise ValueError(f"{qw.source or 'weight'}: no fast tile decode for {qw.fmt} K={k}")
     data, scales = weight_args(qw)
+    return _dequant_rows(data, scales, fmt, k, dtype, bn, bk)
+
+
+def _dequant_rows(data: torch.Tensor, scales: torch.Tensor, fmt: int, k: int,
+                  dtype: torch.dtype, bn: int = 16, bk: int = 256) -> torch.Tensor:
+    """Rows of a weight (`weight_args`' tensors, 2-D) decoded by the fast tiles: [rows, K]."""
+    n = data.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=data.device)
     _dequant_kernel[(triton.cdiv(n, bn), k // bk)](
         data, scales, out, n, data.stride(-2), scales.stride(-2), out.stride(0), K=k, FMT=fmt,

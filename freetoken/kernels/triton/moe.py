@@ -345,6 +345,15 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
     if tokens <= 128:
         return 16, 32, bk, 4
     if dot and f13 == f2 == 1 and bank.hidden % 128 == 0 and bank.intermediate % 128 == 0:
+        # by routes per expert (a block holds one expert's routes): measured on the H200
+        # (bench_gpu_kernels.py --sweep nvfp4 --sweep-tokens 512,2048, 128 experts, 2048 x
+        # 768, top-8, 2026-12-02): 32 a expert (512 tokens) 32x64x64 4 warps 1106 us against
+        # 1217 with 64x64x128; 128 (2048 tokens) 128x128x128 8 warps 2208 against 2853
+        per_expert = tokens * topk / bank.num_experts
+        if per_expert <= 32:
+            return 32, 64, 64, 4
+        if per_expert >= 128:
+            return 128, 128, 128, 8
         return 64, 64, 128, 4
     if dot and f13 == f2 == 13 and bk == 256:
         return 64, 128, 256, 8
