@@ -81,19 +81,22 @@ def test_linear_entry_point_bf16_cuda(fmt, per_row, monkeypatch):
         _check(y.float(), x.float(), w, qw.scale2)
 
 
+@pytest.mark.parametrize("scale2", ["row", "tensor", None])
 @pytest.mark.parametrize("fmt", ["nvfp4", "Q8_0", "Q4_K", "Q6_K"])
-def test_dequant_gemm_in_row_chunks(fmt, monkeypatch):
-    """`dequant_gemm` (prefill's decoded rows and torch's GEMM) against float64, bf16 x, its
-    rows decoded in chunks (the byte cap lowered to 256 rows a chunk: 600 rows, 3 chunks),
-    within the bf16 bound above; per-row scale2 where torch's GEMM returns fp32 (CUDA), else
-    none. Formats without fast tiles (Q6_K) are declined, out untouched."""
+def test_dequant_gemm_in_row_chunks(fmt, scale2, monkeypatch):
+    """`dequant_gemm` (prefill's decoded rows, scale2 folded into them, and torch's GEMM)
+    against float64, bf16 x, its rows decoded in chunks (the byte cap lowered to 256 rows a
+    chunk: 600 rows, 3 chunks), within the bf16 bound above (each weight times scale2 rounded
+    once to bf16, the output once). Formats without fast tiles (Q6_K) are declined, out
+    untouched."""
     import freetoken.kernels.triton.linear as tl_linear
 
     n, k = 600, 512
     monkeypatch.setattr(tl_linear, "DEQUANT_GEMM_BYTES", 256 * 2 * k)
     gen = torch.Generator().manual_seed(len(fmt))
     qw = cases.random_weight(fmt, gen, n, k)
-    qw.scale2 = torch.rand(n, generator=gen) + 0.5 if CUDA else None
+    qw.scale2 = {"row": torch.rand(n, generator=gen) + 0.5, "tensor": torch.tensor(3e-2),
+                 None: None}[scale2]
     w = dequantize(qw)
     x = torch.randn(300, k, generator=gen).to(torch.bfloat16)
     out = torch.full((300, n), float("nan"), dtype=torch.bfloat16, device=DEV)
@@ -102,9 +105,9 @@ def test_dequant_gemm_in_row_chunks(fmt, monkeypatch):
         assert not done and bool(out.isnan().all())
         return
     assert done
-    s2 = qw.scale2 if CUDA else torch.ones(())
+    s2 = torch.ones(()) if qw.scale2 is None else qw.scale2
     ref = (x.double() @ w.double().T) * s2.double()
-    bound = cases.bf16_bound((x.double().abs() @ w.double().abs().T) * s2.double())
+    bound = cases.bf16_bound((x.double().abs() @ w.double().abs().T) * s2.double().abs())
     err = (out.double().cpu() - ref).abs()
     assert bool((err <= bound).all()), f"max error / bound {float((err / bound).max()):.2f}"
 

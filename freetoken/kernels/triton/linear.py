@@ -248,57 +248,41 @@ def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, 
 
 # Tokens from which a linear decodes its weight to x's 16-bit dtype (the fast tiles, exactly
 # the values the tl.dot tiles feed the tensor cores) and multiplies with torch's GEMM instead:
-# the tl.dot kernels decode every tile in registers and reach 50-110 TFLOP/s at prefill sizes
-# (bench_gpu_kernels.py --sweep, H200: qkv 5120x2048 at 512 tokens 123-211 us by tile), a
-# decode pass plus the library GEMM runs its tensor cores at full rate. Measured with
-# bench_gpu_kernels.py --dense-gemm (see `dequant_gemm`).
-DEQUANT_GEMM_TOKENS = 256
+# the tl.dot kernels decode every tile in registers and reach 25-150 TFLOP/s at these sizes,
+# the decode pass plus the library GEMM 100-600. Measured on the H200 (bench_gpu_kernels.py
+# --dense-gemm, 2026-12-02), us, tl.dot tiles -> decoded rows + GEMM: qkv 5120x2048 at 128 /
+# 512 / 2048 tokens NVFP4 41.8 / 123.7 / 407.9 -> 21.8 / 35.3 / 82.0, Q4_K 43.3 / 130.7 /
+# 443.4 -> 21.1 / 34.4 / 81.6, split Q8_0 32.1 / 77.7 / 293.6 -> 16.1 / 30.5 / 77.3; o_proj
+# 2048x4096 NVFP4 80.9 / 81.6 / 323.9 -> 22.1 / 30.1 / 60.2.
+DEQUANT_GEMM_TOKENS = 128
 # Most bytes of decoded weight rows one GEMM takes: larger weights go in chunks of rows (a
 # prefill that wants every position's logits must not allocate a whole lm_head in bf16).
 DEQUANT_GEMM_BYTES = 64 << 20
-_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """a @ b accumulated and returned in fp32 (16-bit operands), or None where torch lacks it
-    (older releases; the CPU)."""
-    dev = a.device.type
-    if dev not in _MM_OUT_DTYPE:
-        try:
-            torch.mm(a[:1], b[:, :1], out_dtype=torch.float32)
-            _MM_OUT_DTYPE[dev] = True
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE[dev] = False
-    return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE[dev] else None
 
 
 def dequant_gemm(x2: torch.Tensor, qw: QuantWeight, out: torch.Tensor) -> bool:
     """out [M, N] = (x2 [M, K] @ W^T) * scale2 through decoded rows and torch's GEMM (16-bit
     x2, a format with fast tiles, K a multiple of 256); False (out untouched) where it does
-    not apply. The GEMM's operands are the tl.dot path's (weights rounded once to x2's dtype),
-    accumulated in fp32; scale2 multiplies the fp32 result before the one rounding to out's
-    dtype, as the kernels' epilogue does."""
+    not apply. Each weight is decoded in fp32 as the codec does, times its scale2 (per tensor
+    or per row), and rounded once to x2's dtype, the GEMM's operand; the GEMM accumulates in
+    fp32 and rounds its output once. (The tl.dot path rounds the weight without scale2 and
+    multiplies the fp32 sums: the same two roundings, in another place.) Two launches a call
+    (one decode and one GEMM per chunk of rows)."""
     fmt, (n, k) = format_id(qw), (qw.out_features, qw.in_features)
-    if x2.dtype not in (torch.bfloat16, torch.float16) or fmt is None \
-            or not has_fast_tile(fmt, k, 256):
+    if x2.dtype not in (torch.bfloat16, torch.float16) or out.dtype != x2.dtype \
+            or fmt is None or not has_fast_tile(fmt, k, 256):
         return False
     mode, s2 = _scale2_args(qw, n, out)
     data, scales = weight_args(qw)
     rows = max(256, DEQUANT_GEMM_BYTES // (2 * k) // 256 * 256)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        w = _dequant_rows(data[n0:n1], scales[n0:n1], fmt, k, x2.dtype)
-        if mode == 0:
-            y = torch.mm(x2, w.t())
-        else:
-            y = _mm_fp32(x2, w.t())
-            if y is None:
-                return False
-            y *= s2 if mode == 1 else s2[n0:n1]
+        w = _dequant_rows(data[n0:n1], scales[n0:n1], fmt, k, x2.dtype,
+                          s2=s2[n0:n1] if mode == 2 else s2, scale2=mode)
         if n1 - n0 == n:
-            out.copy_(y)
+            torch.mm(x2, w.t(), out=out)
         else:
-            out[:, n0:n1] = y
+            out[:, n0:n1] = torch.mm(x2, w.t())
     return True
 
 
@@ -379,13 +363,16 @@ def triton_dequantize(qw: QuantWeight, dtype: torch.dtype = torch.float32,
 
 
 def _dequant_rows(data: torch.Tensor, scales: torch.Tensor, fmt: int, k: int,
-                  dtype: torch.dtype, bn: int = 16, bk: int = 256) -> torch.Tensor:
-    """Rows of a weight (`weight_args`' tensors, 2-D) decoded by the fast tiles: [rows, K]."""
+                  dtype: torch.dtype, bn: int = 16, bk: int = 256,
+                  s2: torch.Tensor | None = None, scale2: int = 0) -> torch.Tensor:
+    """Rows of a weight (`weight_args`' tensors, 2-D) decoded by the fast tiles, times scale2
+    (`_scale2_args`' mode and values) when given: [rows, K]."""
     n = data.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=data.device)
     _dequant_kernel[(triton.cdiv(n, bn), k // bk)](
         data, scales, out, n, data.stride(-2), scales.stride(-2), out.stride(0), K=k, FMT=fmt,
-        BN=bn, BK=bk, enable_fp_fusion=False)
+        BN=bn, BK=bk, s2_ptr=out if s2 is None else s2, SCALE2=scale2,
+        enable_fp_fusion=False)
     return out
 
 

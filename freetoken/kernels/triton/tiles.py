@@ -91,14 +91,21 @@ def fast_tile(FMT: tl.constexpr, w_rows, s_rows, k0, n_ok, BK: tl.constexpr):
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, stride_wn, stride_sn, stride_on,
-                    K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """out[N, K] = the weight's values (fast tiles): tests, and a float copy where one pays."""
+                    K: tl.constexpr, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    s2_ptr=None, SCALE2: tl.constexpr = 0):
+    """out[N, K] = the weight's values (fast tiles): tests, and a float copy where one pays.
+    SCALE2 1 / 2: times the tensor's scale2 (s2_ptr[0]) / its row's (s2_ptr[n]) in fp32,
+    before the one rounding to out's dtype."""
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     n_ok = rn < N
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + rn[:, None].to(tl.int64) * stride_sn
     k0 = tl.program_id(1) * BK
     w = fast_tile(FMT, w_rows, s_rows, k0, n_ok, BK)
+    if SCALE2 == 1:
+        w = w * tl.load(s2_ptr)
+    elif SCALE2 == 2:
+        w = w * tl.load(s2_ptr + rn, mask=n_ok, other=0.0)[:, None]
     out = out_ptr + rn[:, None].to(tl.int64) * stride_on + k0 + tl.arange(0, BK)[None, :]
     tl.store(out, w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
