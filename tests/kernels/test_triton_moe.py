@@ -156,12 +156,49 @@ def test_fused_moe_entry_point_bf16_cuda(fmt, tokens, monkeypatch):
     _check(y.float(), ref, mag, False)
 
 
+def _check_align(ids: torch.Tensor, emap: torch.Tensor | None, num_slots: int, bm: int):
+    """`_align`'s contract, in any order of a slot's routes: slots in increasing order, each
+    slot's routes once each in the first places of its run, the run padded (value R) to whole
+    blocks, every block of the run naming the slot, the unused blocks -1 at the end."""
+    route_ids, block_slot = (t.cpu() for t in _align(ids.to(DEV), None if emap is None
+                                                     else emap.to(DEV), num_slots, bm))
+    flat = ids.reshape(-1)
+    r = flat.numel()
+    slots = flat if emap is None else emap[flat]
+    blocks = -(-r // bm) + min(r, num_slots)
+    assert route_ids.shape == (blocks * bm,) and block_slot.shape == (blocks,)
+    pos = 0
+    for s in range(num_slots):
+        mine = sorted(torch.nonzero(slots == s).flatten().tolist())
+        n_blocks = -(-len(mine) // bm)
+        run = route_ids[pos:pos + n_blocks * bm].tolist()
+        assert sorted(run[:len(mine)]) == mine and set(run[len(mine):]) <= {r}, s
+        assert block_slot[pos // bm:pos // bm + n_blocks].tolist() == [s] * n_blocks
+        pos += n_blocks * bm
+    assert set(route_ids[pos:].tolist()) <= {r} and set(block_slot[pos // bm:].tolist()) <= {-1}
+
+
 def test_align_groups_routes_by_slot():
-    slots = torch.tensor([2, -1, 0, 2, 2, 1, 0])
-    route_ids, block_slot = _align(slots, 4, 2)
     # slot 0: routes 2, 6; slot 1: route 5 (+pad); slot 2: routes 0, 3 | 4 (+pad); 7 = padding
-    assert route_ids[:8].tolist() == [2, 6, 5, 7, 0, 3, 4, 7]
-    assert block_slot.tolist()[:4] == [0, 1, 2, 2] and set(block_slot.tolist()[4:]) == {-1}
+    ids = torch.tensor([[2, 3], [0, 2], [2, 1], [0, 1]])
+    emap = torch.tensor([0, 1, 2, -1], dtype=torch.int32)  # expert e -> slot; 3 is not here
+    _check_align(ids.reshape(-1)[:7].reshape(7, 1), emap, 3, 2)
+    route_ids, block_slot = _align(ids.reshape(-1)[:7].reshape(7, 1).to(DEV), emap.to(DEV), 3, 2)
+    assert block_slot.tolist()[:4] == [0, 1, 2, 2]
+
+
+@pytest.mark.parametrize("tokens,experts,bm,mapped", [(64, 16, 16, False), (200, 128, 64, False),
+                                                      (37, 40, 16, True), (300, 2100, 32, True)])
+def test_align_random_routes(tokens, experts, bm, mapped):
+    """Random top-8 routes (several programs of routes; a slot count above the start
+    kernel's 1024-slot chunk) with and without a map that sends some experts nowhere."""
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:8] for _ in range(tokens)])
+    emap = None
+    if mapped:
+        emap = torch.randperm(experts, generator=gen).to(torch.int32)
+        emap[torch.rand(experts, generator=gen) < 0.3] = -1
+    _check_align(ids, emap, experts, bm)
 
 
 if __name__ == "__main__":

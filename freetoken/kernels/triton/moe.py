@@ -26,8 +26,10 @@ down-and-sum kernel runs from `DOWN_SUM_TOKENS` tokens. The GEMVs multiply in in
 format and a 16-bit x allow (`gemv_i8.py`), else in fp32 (`gemv.py`); x may come quantized
 by the RMSNorm before (`kernels/xq.py`), and for NVFP4 from two tokens on gate/up stores its
 GLU output quantized for down (`QUANT_A_FORMATS`, `QUANT_A_TOKENS`).
-Bigger batches sort routes by slot on the device and pad each slot's run to BM (`_align`, torch
-ops whose sizes depend only on shapes, so the step can be captured in a CUDA graph).
+Bigger batches group routes by slot on the device and pad each slot's run to BM (`_align`,
+three small kernels and a memset whose sizes depend only on shapes, so the step can be
+captured in a CUDA graph; they replaced some twenty torch launches a layer, a prefill's host
+time).
 `moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows decoded
 once for all of its tokens) runs on request only (`grouped=True`): measured slower, see
 `GROUPED_TOKENS`.
@@ -260,33 +262,81 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, ids_ptr, map_ptr, route_w_
 
 
 # -- routing on the device ------------------------------------------------------------------------
-def _align(slots: torch.Tensor, num_slots: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routes grouped by slot, each slot's run padded to a multiple of `bm`.
+@triton.jit
+def _route_slots(ids_ptr, map_ptr, R, S, CH: tl.constexpr, MAP: tl.constexpr):
+    """Routes [pid CH, (pid + 1) CH): (index, slot, whether the route is here)."""
+    i = tl.program_id(0) * CH + tl.arange(0, CH)
+    ok = i < R
+    s = tl.load(ids_ptr + i, mask=ok, other=-1).to(tl.int32)
+    if MAP:
+        s = tl.load(map_ptr + s, mask=ok, other=-1).to(tl.int32)
+    return i, s, ok & (s >= 0) & (s < S)
 
-    slots int64 [R] (-1 = not here) -> (route_ids int32 [blocks * bm], padding = R;
-    block_slot int32 [blocks], -1 for unused blocks). `blocks` is an upper bound that depends
-    on R and the slot count only (no device value is read back)."""
-    r = slots.numel()
-    dev = slots.device
+
+@triton.jit
+def _align_count_kernel(ids_ptr, map_ptr, counts_ptr, route_ids_ptr, block_slot_ptr, R, S,
+                        BLOCKS, POSITIONS, CH: tl.constexpr, MAP: tl.constexpr):
+    """Program p: positions [p CH, (p + 1) CH) padding (R) and those blocks unused (-1), and
+    its routes counted per slot (the grid covers POSITIONS >= R)."""
+    i, s, ok = _route_slots(ids_ptr, map_ptr, R, S, CH, MAP)
+    tl.store(route_ids_ptr + i, tl.zeros((CH,), tl.int32) + R, mask=i < POSITIONS)
+    tl.store(block_slot_ptr + i, tl.full((CH,), -1, tl.int32), mask=i < BLOCKS)
+    tl.atomic_add(counts_ptr + s, 1, mask=ok)
+
+
+@triton.jit
+def _align_start_kernel(counts_ptr, start_ptr, S, BM: tl.constexpr, SP: tl.constexpr):
+    """One program: start[s] = the first padded position of slot s, the exclusive prefix sum
+    of the counts rounded up to BM (SP >= S, a power of two)."""
+    j = tl.arange(0, SP)
+    c = tl.load(counts_ptr + j, mask=j < S, other=0, cache_modifier=".cg")
+    padded = (c + BM - 1) // BM * BM
+    tl.store(start_ptr + j, tl.cumsum(padded, 0) - padded, mask=j < S)
+
+
+@triton.jit
+def _align_place_kernel(ids_ptr, map_ptr, start_ptr, seen_ptr, route_ids_ptr, block_slot_ptr,
+                        R, S, BM: tl.constexpr, CH: tl.constexpr, MAP: tl.constexpr):
+    """Each route at its slot's start + its rank there (an atomic counter per slot: the order
+    of a slot's routes is the order the programs reach it); a block's first route names the
+    block's slot."""
+    i, s, ok = _route_slots(ids_ptr, map_ptr, R, S, CH, MAP)
+    rank = tl.atomic_add(seen_ptr + s, 1, mask=ok)
+    dest = tl.load(start_ptr + s, mask=ok, other=0, cache_modifier=".cg") + rank
+    tl.store(route_ids_ptr + dest, i, mask=ok)
+    tl.store(block_slot_ptr + dest // BM, s, mask=ok & (rank % BM == 0))
+
+
+def _align(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: int,
+           bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routes grouped by slot, each slot's run padded to a multiple of `bm`: a memset and
+    three small kernels, no host sync, sizes from shapes only (a CUDA graph can hold them).
+
+    topk_ids [T, k] (route r = t k + j), slot = expert_map[id] with a map (-1: not here) ->
+    (route_ids int32 [blocks * bm], padding = R; block_slot int32 [blocks], -1 for unused
+    blocks), blocks = an upper bound from R and the slot count. A slot's routes are in no
+    fixed order: a route's output row does not depend on its place in a block (tl.dot rows
+    are independent sums over the same K order), and the routes' sum goes by route index."""
+    ids = topk_ids.reshape(-1)
+    r, dev = ids.numel(), ids.device
     blocks = triton.cdiv(r, bm) + min(r, num_slots)
-    key = torch.where(slots >= 0, slots, num_slots)  # [R]; num_slots = the "not here" bucket
-    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts + bm - 1) // bm * bm
-    padded = padded * (torch.arange(num_slots + 1, device=dev) < num_slots)  # bucket S: none
-    pad_start = torch.cumsum(padded, 0) - padded  # [S + 1] first padded position of each slot
-    grp_start = torch.cumsum(counts, 0) - counts  # [S + 1] first sorted position of each slot
-    order = torch.argsort(key, stable=True)
-    skey = key[order]
-    rank = torch.arange(r, device=dev) - grp_start[skey]
-    trash = blocks * bm  # routes not here are written past the end and dropped
-    dest = torch.where(skey < num_slots, pad_start[skey] + rank, trash)
-    route_ids = torch.full((trash + 1,), r, dtype=torch.int32, device=dev)
-    route_ids.scatter_(0, dest, order.to(torch.int32))
-    block_end = torch.cumsum(padded[:num_slots] // bm, 0)  # [S] end block of each slot
-    block_slot = torch.searchsorted(block_end, torch.arange(blocks, device=dev), right=True)
-    block_slot = torch.where(block_slot < num_slots, block_slot, -1).to(torch.int32)
-    return route_ids[:trash], block_slot
+    scratch = torch.zeros(3 * num_slots, dtype=torch.int32, device=dev)
+    counts, start, seen = scratch.view(3, num_slots)
+    route_ids = torch.empty(blocks * bm, dtype=torch.int32, device=dev)
+    block_slot = torch.empty(blocks, dtype=torch.int32, device=dev)
+    has_map = expert_map is not None
+    emap = expert_map if has_map else ids
+    ch = 256
+    _align_count_kernel[(triton.cdiv(blocks * bm, ch),)](
+        ids, emap, counts, route_ids, block_slot, r, num_slots, blocks, blocks * bm, CH=ch,
+        MAP=has_map, num_warps=4)
+    sp = triton.next_power_of_2(num_slots)
+    _align_start_kernel[(1,)](counts, start, num_slots, BM=bm, SP=sp,
+                              num_warps=4 if sp <= 1024 else 8)
+    _align_place_kernel[(triton.cdiv(r, ch),)](
+        ids, emap, start, seen, route_ids, block_slot, r, num_slots, BM=bm, CH=ch,
+        MAP=has_map, num_warps=4)
+    return route_ids, block_slot
 
 
 def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: int,
@@ -294,10 +344,7 @@ def _routes(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_slots: 
     if bm == 1:  # route r is block r: the kernels read no route table (`_block_routes`)
         slots = topk_ids.reshape(-1)  # a view: no launch (a map is read in the kernels)
         return slots, slots
-    slots = topk_ids.reshape(-1).long()
-    if expert_map is not None:
-        slots = expert_map.long()[slots]
-    return _align(slots, num_slots, bm)
+    return _align(topk_ids, expert_map, num_slots, bm)
 
 
 # -- launcher -------------------------------------------------------------------------------------
