@@ -394,12 +394,12 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
     if dot and f13 == f2 == 1 and bank.hidden % 128 == 0 and bank.intermediate % 128 == 0:
         # by routes per expert (a block holds one expert's routes): measured on the H200
         # (bench_gpu_kernels.py --sweep nvfp4 --sweep-tokens 512,2048, 128 experts, 2048 x
-        # 768, top-8, 2026-12-02): 32 a expert (512 tokens) 32x64x64 4 warps 1106 us against
-        # 1217 with 64x64x128; 128 (2048 tokens) 128x128x128 8 warps 2208 against 2853
-        per_expert = tokens * topk / bank.num_experts
-        if per_expert <= 32:
-            return 32, 64, 64, 4
-        if per_expert >= 128:
+        # 768, top-8, 2026-12-02): 128 a expert (2048 tokens) 128x128x128 8 warps 2208 us
+        # against 2853 with 64x64x128. At 32 a expert (512 tokens) 32x64x64 4 warps timed
+        # 1106 against 1217 alone, but with it the 30B's prefill of 512 tokens took 0.103-0.117
+        # s in ft bench prefill against 0.054 for Q4_K experts (which kept their tiles) in
+        # the same run: not taken until that is understood
+        if tokens * topk >= 128 * bank.num_experts:
             return 128, 128, 128, 8
         return 64, 64, 128, 4
     if dot and f13 == f2 == 13 and bk == 256:
