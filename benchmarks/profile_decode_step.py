@@ -118,7 +118,8 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
     runner.drain()
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}.b{batch}.json")
-    return _table(_kernel_rows(prof, on_cuda), _host_calls(prof), batch, args.steps, wall,
+    return _table(_kernel_rows(prof, on_cuda), _host_calls(prof), f"batch {batch}", args.steps,
+                  wall,
                   on_cuda, args.rows) + handoff_table
 
 
@@ -190,12 +191,11 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], batch, steps: int,
+def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], label: str, steps: int,
            wall_us: float, on_cuda: bool, limit: int) -> str:
     total = sum(t for _, t in rows.values()) / steps
     what = "kernel" if on_cuda else "CPU op (self time)"
-    what_step = batch if isinstance(batch, str) else f"batch {batch}"
-    out = [f"== {what_step}: {steps} steps, {wall_us:.1f} us per step (wall, profiler on), "
+    out = [f"== {label}: {steps} steps, {wall_us:.1f} us per step (wall, profiler on), "
            f"{total:.1f} us of {what} time per step, "
            f"{sum(c for c, _ in rows.values()) / steps:.0f} launches per step",
            f"{what[:60]:<60} {'calls/step':>10} {'us/step':>9} {'share':>7}"]

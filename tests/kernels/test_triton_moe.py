@@ -156,10 +156,12 @@ def test_fused_moe_entry_point_bf16_cuda(fmt, tokens, monkeypatch):
     _check(y.float(), ref, mag, False)
 
 
-def _check_align(ids: torch.Tensor, emap: torch.Tensor | None, num_slots: int, bm: int):
+def _check_align(ids: torch.Tensor, emap: torch.Tensor | None, num_slots: int,
+                 bm: int) -> torch.Tensor:
     """`_align`'s contract, in any order of a slot's routes: slots in increasing order, each
     slot's routes once each in the first places of its run, the run padded (value R) to whole
-    blocks, every block of the run naming the slot, the unused blocks -1 at the end."""
+    blocks, every block of the run naming the slot, the unused blocks -1 at the end. Returns
+    block_slot."""
     route_ids, block_slot = (t.cpu() for t in _align(ids.to(DEV), None if emap is None
                                                      else emap.to(DEV), num_slots, bm))
     flat = ids.reshape(-1)
@@ -176,22 +178,21 @@ def _check_align(ids: torch.Tensor, emap: torch.Tensor | None, num_slots: int, b
         assert block_slot[pos // bm:pos // bm + n_blocks].tolist() == [s] * n_blocks
         pos += n_blocks * bm
     assert set(route_ids[pos:].tolist()) <= {r} and set(block_slot[pos // bm:].tolist()) <= {-1}
+    return block_slot
 
 
 def test_align_groups_routes_by_slot():
     # slot 0: routes 2, 6; slot 1: route 5 (+pad); slot 2: routes 0, 3 | 4 (+pad); 7 = padding
-    ids = torch.tensor([[2, 3], [0, 2], [2, 1], [0, 1]])
+    ids = torch.tensor([[2], [3], [0], [2], [2], [1], [0]])
     emap = torch.tensor([0, 1, 2, -1], dtype=torch.int32)  # expert e -> slot; 3 is not here
-    _check_align(ids.reshape(-1)[:7].reshape(7, 1), emap, 3, 2)
-    route_ids, block_slot = _align(ids.reshape(-1)[:7].reshape(7, 1).to(DEV), emap.to(DEV), 3, 2)
-    assert block_slot.tolist()[:4] == [0, 1, 2, 2]
+    assert _check_align(ids, emap, 3, 2).tolist()[:4] == [0, 1, 2, 2]
 
 
 @pytest.mark.parametrize("tokens,experts,bm,mapped", [(64, 16, 16, False), (200, 128, 64, False),
                                                       (37, 40, 16, True), (300, 2100, 32, True)])
 def test_align_random_routes(tokens, experts, bm, mapped):
-    """Random top-8 routes (several programs of routes; a slot count above the start
-    kernel's 1024-slot chunk) with and without a map that sends some experts nowhere."""
+    """Random top-8 routes (several programs of routes; 2,100 slots: the start kernel's
+    8-warp block of 4,096) with and without a map that sends some experts nowhere."""
     gen = torch.Generator().manual_seed(tokens)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:8] for _ in range(tokens)])
     emap = None

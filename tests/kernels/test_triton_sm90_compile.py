@@ -63,6 +63,25 @@ CASES.update({
     for S in (1000, 2560, 9000) for send in (False, True)
 })
 
+# the fused MoE's route grouping (`moe._align`) and the decoded rows of prefill's dense GEMM
+# (`linear.dequant_gemm`), with and without a map / per tensor and per row scale2
+_ALIGN_PTRS = {"ids_ptr": "*i64", "map_ptr": "*i32", "counts_ptr": "*i32", "start_ptr": "*i32",
+               "seen_ptr": "*i32", "route_ids_ptr": "*i32", "block_slot_ptr": "*i32"}
+CASES.update({
+    f"align-{step}-map{m}": ("freetoken.kernels.triton.moe", f"_align_{step}_kernel",
+                             _ALIGN_PTRS, dict(CH=256, MAP=m, **extra), (), 4)
+    for m in (False, True) for step, extra in (("count", {}), ("place", {"BM": 64}))
+})
+CASES["align-start"] = ("freetoken.kernels.triton.moe", "_align_start_kernel", _ALIGN_PTRS,
+                        dict(BM=64, SP=4096), (), 8)
+CASES.update({
+    f"dequant-fmt{f}-scale2{m}": (
+        "freetoken.kernels.triton.tiles", "_dequant_kernel",
+        {"w_ptr": "*u8", "s_ptr": "*u8", "out_ptr": _BF, "s2_ptr": "*fp32"},
+        dict(K=2048, FMT=f, BN=16, BK=256, SCALE2=m), (), 4)
+    for f in (1, 13) for m in (0, 1, 2)
+})
+
 
 def _compile(name: str) -> None:
     """Compile one case for sm_90 (in a process without TRITON_INTERPRET)."""
