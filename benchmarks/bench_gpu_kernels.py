@@ -342,6 +342,8 @@ def main() -> None:
     a = p.parse_args()
     if a.plan_slots is not None and not a.plan:
         p.error("--plan-slots goes with --plan")
+    if a.dense_gemm and (a.router or a.plan or a.sweep):
+        p.error("--dense-gemm runs alone (not with --router, --plan or --sweep)")
     if a.router:
         bench_router()
         return

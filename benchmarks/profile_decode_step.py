@@ -271,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.kernel_ab and args.prefill:
+        raise SystemExit("--kernel-ab times kernels alone: it takes no --prefill")
     if args.kernel_ab:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         kernel_ab()
