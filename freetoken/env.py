@@ -74,6 +74,13 @@ def gpu_down_arrive_sum() -> bool:
     return _unless_off("FREETOKEN_GPU_DOWN_SUM")
 
 
+def gpu_side_stream() -> bool:
+    """FREETOKEN_GPU_SIDE_STREAM=0: with the offload, cpu and hybrid backends on a GPU, the
+    shared expert runs after the routed experts' device kernel on the compute stream instead
+    of on a second stream beside the slot fills (`moe/expert_cache.py: ExpertCache._split`)."""
+    return _unless_off("FREETOKEN_GPU_SIDE_STREAM")
+
+
 def gpu_pdl() -> int:
     """FREETOKEN_GPU_PDL=1: the GPU's decode kernels launch programmatically dependent
     (`kernels/triton/pdl.py`: the next kernel launched while the one before it finishes,

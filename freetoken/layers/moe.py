@@ -194,11 +194,12 @@ class SparseMoE(nn.Module):
         if not self.spec.shared_intermediate:
             return self.experts(x, ids, w)
         # the shared expert as side work: an expert-cache backend overlaps it with the CPU
-        return self.experts(x, ids, w, side=lambda y: self._add_shared(y, x))
+        return self.experts(x, ids, w, side=SharedSide(self, x))
 
-    def _add_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y + the (gated) shared expert of x."""
-        sh = self.shared_expert(x)
+    def _add_shared(self, y: torch.Tensor, x: torch.Tensor,
+                    sh: torch.Tensor | None = None) -> torch.Tensor:
+        """y + the (gated) shared expert of x (sh: its output, when computed already)."""
+        sh = self.shared_expert(x) if sh is None else sh
         w_gate = self._gate_row(x) if self.spec.shared_gate else None
         if w_gate is not None:
             from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton
@@ -208,3 +209,23 @@ class SparseMoE(nn.Module):
             sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
         return y + sh
 
+
+
+class SharedSide:
+    """A layer's shared expert as the side work of its routed experts: `side(y)` = y + the
+    (gated) shared expert of x. In two phases for a backend that runs it beside other work
+    (moe/expert_cache.py: on a second stream while the slot fills copy experts):
+    `prepare()` -> the expert's output (depends on x only), `finish(y, sh)` -> y + gate * sh,
+    the same kernels and arithmetic as one call."""
+
+    def __init__(self, moe: SparseMoE, x: torch.Tensor):
+        self.moe, self.x = moe, x
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return self.moe._add_shared(y, self.x)
+
+    def prepare(self) -> torch.Tensor:
+        return self.moe.shared_expert(self.x)
+
+    def finish(self, y: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
+        return self.moe._add_shared(y, self.x, sh)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch.profiler import record_function
 
+from freetoken import env
 from freetoken.kernels.moe import fused_moe
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.handoff import Handoff
@@ -66,6 +67,9 @@ class ExpertCache:
         self._executor = None
         self._handoff: Handoff | None = None
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # the shared expert's stream, beside the plan, the fills and the routed experts
+        self.side_stream = (torch.cuda.Stream(self.device)
+                            if self.device.type == "cuda" and env.gpu_side_stream() else None)
         # Set by moe/runtime.py when prefill streaming is on: an object whose
         # forward(layer, x, ids, w, activation) -> y computes a call of PREFILL_TOKENS tokens
         # or more (moe/prefill_stream.py); None: such calls go through the slot cache.
@@ -132,7 +136,9 @@ class ExpertCache:
 
         side: the layer's other device work as y -> y + terms that do not depend on y (the
         shared expert); it is applied to the device's partial sum while the CPU computes its
-        share (the CPU's part is added after it), and side(y) is returned."""
+        share (the CPU's part is added after it), and side(y) is returned. A side with
+        `prepare()` / `finish(y, terms)` (layers/moe.py: SharedSide) has its terms computed on
+        a second stream on a GPU, beside the plan, the slot fills and the routed experts."""
         T = ids.shape[0]
         if self.prefill is not None and T >= PREFILL_TOKENS:
             y = self.prefill.forward(layer, x, ids, w, activation)
@@ -151,6 +157,7 @@ class ExpertCache:
         T = ids.shape[0]
         capturing = _capturing()
         to_cpu = not self.fetch_all or c.num_slots < T * self.top_k
+        terms = self._side_terms(side)
         ho = self.handoff if to_cpu else None
         if ho is not None and not capturing:
             ho.set_live(T)  # an eager call's rows are all real
@@ -178,12 +185,28 @@ class ExpertCache:
                 self._fill(layer, fetched)
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
-        if side is not None:  # before the wait: off the critical path when the CPU is
+        if terms is not None:  # the side stream's terms, joined before the wait
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            y = side.finish(y, terms)
+        elif side is not None:  # before the wait: off the critical path when the CPU is
             y = side(y)
         if ho is not None:
             with record_function("moe.cpu"):
                 y = ho.receive(y)
         return y
+
+    def _side_terms(self, side: Callable | None):
+        """The side work's terms started on the side stream (after what the compute stream
+        has queued: x), or None where it runs in one piece. Their tensors are made on the side
+        stream and read on the compute stream after the join; the allocator hands their
+        memory again only to the side stream, whose next work waits for the compute stream
+        (the next call's fork), so no kernel overwrites them early (a graph's replay keeps
+        the captured order)."""
+        if side is None or self.side_stream is None or not hasattr(side, "prepare"):
+            return None
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side_stream), record_function("moe.side"):
+            return side.prepare()
 
     def _fetch_all(self, layer: int, x, ids, w, activation: str) -> torch.Tensor:
         """Every miss fetched and computed on the device, in rounds when the misses outnumber

@@ -138,6 +138,30 @@ def test_graphs_give_the_eager_tokens(model):
 
 
 @needs_cuda
+@pytest.mark.parametrize("side_stream", ["1", "0"])
+def test_cache_backend_graphs_give_the_eager_tokens(side_stream, monkeypatch):
+    """The hybrid backend on a model with a shared expert (the 35B shape, 4 layers, float32):
+    graphed decode steps (the CPU hand-off, slot fills and, by default, the shared expert on a
+    second stream beside them: FREETOKEN_GPU_SIDE_STREAM) give the eager steps' tokens, and
+    the shared expert's stream changes no token (the same kernels on the same inputs)."""
+    monkeypatch.setenv("FREETOKEN_GPU_SIDE_STREAM", side_stream)
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
+    kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, moe_backend="hybrid",
+              moe_cache_rate=0.25, max_running_requests=4)
+    eager = dummy_engine(disable_cuda_graph=True, **kw)
+    want = generate(eager, params)
+    eager.moe.close()  # its CPU worker and pool, before the next engine starts its own
+    graphed = dummy_engine(**kw)
+    assert graphed.runner.graphs is not None
+    assert (graphed.moe.cache.side_stream is not None) == (side_stream == "1")
+    replays = count_replays(graphed)
+    assert generate(graphed, params) == want
+    assert len(replays) >= 8
+    assert graphed.moe.cache.counters()["cpu"] > 0  # the CPU's share was in the steps
+    graphed.moe.close()
+
+
+@needs_cuda
 def test_decode_step_syncs_once(monkeypatch):
     eng = dummy_engine(cuda_graph_max_bs=4)
     for i, ids in enumerate(prompts(2)):

@@ -81,3 +81,53 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_plan_kernel_posts_the_cpu_share():
+    """The plan kernel's SEND path (on a GPU it posts the hand-off's job itself, before the
+    victim scan): the same plan as without it, and the pinned buffer's job holds the header,
+    ids, weights, x and a map whose negative entries are exactly the routed misses it did not
+    fetch (the worker reads only the signs)."""
+    from freetoken.kernels.triton.handoff import job_args
+    from freetoken.kernels.triton.slot_plan import plan_triton
+    from freetoken.moe.handoff import layout
+
+    banks = [_bank(i, False) for i in range(L)]
+    plain, sending = SlotCache(banks, 12, DEV), SlotCache(banks, 12, DEV)
+    plain.warm(banks)
+    sending.warm(banks)
+    q, cap = plain._q_cap(FetchPolicy(0.5, 2, "test"))
+    off = layout(4, 2, E, 8)
+    buf = torch.zeros(off["size"], dtype=torch.uint8, device=DEV)
+    seq = torch.zeros(1, dtype=torch.int32, device=DEV)
+    g = torch.Generator().manual_seed(7)
+    seen = {"fetched": 0, "cpu": 0}
+    for step in range(12):
+        layer, T = step % L, 1 + step % 3
+        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)]).to(DEV)
+        w = torch.rand(T, 2, generator=g).to(DEV)
+        x = torch.randn(T, 8, generator=g).to(DEV)
+        held = {e for e in range(E) if int(plain.slot_of[layer * E + e]) >= 0}
+
+        ref = plan_triton(plain, layer, ids, q, cap, True)
+        got = plan_triton(sending, layer, ids, q, cap, True,
+                          job=job_args(x, ids, w, seq, buf, off, layer, 0, 0))
+        assert torch.equal(got, ref), f"step {step}"
+        assert _table(sending) == _table(plain)
+        words = buf.view(torch.int32)
+        assert int(words[off["go"] // 4]) == step + 1 == int(seq)
+        assert words[off["job"] // 4:off["job"] // 4 + 4].tolist() == [layer, T, 0, 0]
+        n = T * 2
+        assert words[off["ids"] // 4:off["ids"] // 4 + n].tolist() == ids.flatten().tolist()
+        assert torch.equal(buf.view(torch.float32)[off["weights"] // 4:off["weights"] // 4 + n],
+                           w.flatten())
+        assert torch.equal(buf.view(torch.float32)[off["x"] // 4:off["x"] // 4 + T * 8],
+                           x.flatten())
+        jmap = words[off["map"] // 4:off["map"] // 4 + E]
+        fetched = set(ref[0][ref[0] >= 0].tolist())
+        for e in set(ids.flatten().tolist()):
+            cpu = e not in held and e not in fetched
+            assert (int(jmap[e]) < 0) == cpu, f"step {step}, expert {e}"
+            seen["cpu"] += cpu
+        seen["fetched"] += len(fetched)
+    assert seen["fetched"] > 0 and seen["cpu"] > 0, seen  # both kinds of miss were posted

@@ -7,7 +7,8 @@ banks are registered with CUDA (moe/host_banks.py); on a system with unified add
 both are mapped at the same address on the device, which Triton takes as a pointer.
 - `send`: one program writes a layer call's job (ids, weights, the layer's expert -> slot
   map, x) into the buffer, then `go` = the next job number after a system-scope fence by
-  every thread and a CTA barrier (the CPU worker sees the whole job once it sees `go`).
+  every thread and a CTA barrier (the CPU worker sees the whole job once it sees `go`). The
+  worker reads only the map's signs (-1: the CPU computes the expert's routes).
 - `receive_add`: every program polls `done` until it equals the job number (a bounded wait:
   after TIMEOUT_S it gives up and sets the buffer's timeout word, which the host turns into an
   error after the step, rather than hang the GPU), fences, then y + out in fp32.
@@ -22,15 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.triton import interpreting
+
 TIMEOUT_S = 30.0  # a hand-off answered later than this is an error (the worker died or hung)
 FILL_CHUNK = 4096  # 4-byte words one fill program copies
 
 
 @triton.jit
-def _fence_sys(v):
-    """membar.sys on every thread; returns v (a data dependency for what must come after)."""
-    return tl.inline_asm_elementwise("membar.sys;\n\tmov.b32 $0, $1;", "=r,r", [v],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+def _fence_sys(v, ASM: tl.constexpr = True):
+    """membar.sys on every thread; returns v (a data dependency for what must come after).
+    Not ASM (Triton's interpreter, which runs no PTX and orders its stores anyway): v."""
+    if ASM:
+        v = tl.inline_asm_elementwise("membar.sys;\n\tmov.b32 $0, $1;", "=r,r", [v],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+    return v
 
 
 @triton.jit
@@ -40,13 +46,13 @@ def _now_ns(v):
 
 
 @triton.jit
-def write_job(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
-              o_go, o_job, o_ids, o_w, o_map, o_x, H: tl.constexpr, K, E: tl.constexpr,
-              BLOCK: tl.constexpr):
-    """Write a job (header, ids, weights, map [E] from map_ptr, x) into the pinned buffer and
-    post it: `go` = the next job number, after a system-scope fence by every thread and a CTA
-    barrier. One program; also the tail of the slot plan kernel (kernels/triton/slot_plan.py),
-    which posts the job right after it has written the layer's map."""
+def job_begin(x_ptr, ids_ptr, w_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T, o_job, o_ids,
+              o_w, o_x, H: tl.constexpr, K, BLOCK: tl.constexpr, ROUNDS_IDS: tl.constexpr = 0,
+              ROUNDS_X: tl.constexpr = 0):
+    """A job's header, ids, weights and x into the pinned buffer (one program); returns its
+    number, for `job_post` once the map is written too. ROUNDS_IDS / ROUNDS_X: the copy
+    loops' trip counts where a loop cannot run to a device value (Triton's interpreter:
+    `interp_rounds`), else 0."""
     n = tl.load(seq_ptr) + 1
     tl.store(seq_ptr, n)
     tl.store(hi32 + o_job, layer)
@@ -55,22 +61,42 @@ def write_job(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, ac
     tl.store(hi32 + o_job + 3, xdt)
     offs = tl.arange(0, BLOCK)
     tk = T * K
-    for s in range(0, tk, BLOCK):
+    for s in range(0, ROUNDS_IDS * BLOCK if ROUNDS_IDS else tk, BLOCK):
         m = s + offs < tk
         tl.store(hi32 + o_ids + s + offs, tl.load(ids_ptr + s + offs, mask=m).to(tl.int32),
                  mask=m)
         tl.store(hf32 + o_w + s + offs, tl.load(w_ptr + s + offs, mask=m).to(tl.float32),
                  mask=m)
+    th = T * H
+    for s in range(0, ROUNDS_X * BLOCK if ROUNDS_X else th, BLOCK):
+        m = s + offs < th
+        tl.store(hx + o_x + s + offs, tl.load(x_ptr + s + offs, mask=m), mask=m)
+    return n
+
+
+@triton.jit
+def job_post(n, hi32, o_go, ASM: tl.constexpr = True):
+    """Post job n: `go` = n after a system-scope fence by every thread and a CTA barrier (the
+    worker sees the whole job once it sees `go`)."""
+    n = _fence_sys(n, ASM)
+    tl.debug_barrier()
+    tl.store(hi32 + o_go, n)
+
+
+@triton.jit
+def write_job(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+              o_go, o_job, o_ids, o_w, o_map, o_x, H: tl.constexpr, K, E: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Write a job (header, ids, weights, map [E] from map_ptr, x) into the pinned buffer and
+    post it (`job_post`). One program. The slot plan kernel (kernels/triton/slot_plan.py)
+    posts its jobs with `job_begin` / `job_post` and the map from its registers."""
+    n = job_begin(x_ptr, ids_ptr, w_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T, o_job,
+                  o_ids, o_w, o_x, H, K, BLOCK)
+    offs = tl.arange(0, BLOCK)
     for s in range(0, E, BLOCK):
         m = s + offs < E
         tl.store(hi32 + o_map + s + offs, tl.load(map_ptr + s + offs, mask=m), mask=m)
-    th = T * H
-    for s in range(0, th, BLOCK):
-        m = s + offs < th
-        tl.store(hx + o_x + s + offs, tl.load(x_ptr + s + offs, mask=m), mask=m)
-    n = _fence_sys(n)
-    tl.debug_barrier()
-    tl.store(hi32 + o_go, n)
+    job_post(n, hi32, o_go)
 
 
 @triton.jit
@@ -130,6 +156,15 @@ def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
         for b in tl.static_range(0, CHUNK, BLOCK):
             m = c0 + b + offs < nw
             tl.store(dst + b + offs, tl.load(src + b + offs, mask=m), mask=m)
+
+
+def interp_rounds(tokens: int, top_k: int, hidden: int, block: int) -> dict[str, int]:
+    """`job_begin`'s constant trip counts under Triton's interpreter (from the call's shapes),
+    else none (0: the compiled loops run to the job's own sizes)."""
+    if not interpreting():
+        return {"ROUNDS_IDS": 0, "ROUNDS_X": 0}
+    return {"ROUNDS_IDS": max(1, triton.cdiv(tokens * top_k, block)),
+            "ROUNDS_X": max(1, triton.cdiv(tokens * hidden, block))}
 
 
 def job_args(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, seq: torch.Tensor,

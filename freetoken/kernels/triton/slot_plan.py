@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton.handoff import write_job
+from freetoken.kernels.triton import interpreting
+from freetoken.kernels.triton.handoff import interp_rounds, job_begin, job_post
 
 MAX_ROUTES = 64  # T * k of a call planned here (decode); more: the torch ops
 SCAN = 4096  # slots a chunk of the victim scan holds (one chunk: kept in registers)
@@ -46,9 +47,12 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
                  o_go, o_job, o_ids, o_w, o_map, o_x,
                  S: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
                  NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr,
-                 SEND: tl.constexpr = False, H: tl.constexpr = 1, BLOCK: tl.constexpr = 512):
-    """SEND: then post the hand-off's job (`handoff.write_job`, the args from x_ptr on) with
-    the map the plan has just written: the CPU worker starts one launch earlier."""
+                 SEND: tl.constexpr = False, H: tl.constexpr = 1, BLOCK: tl.constexpr = 512,
+                 ASM: tl.constexpr = True, ROUNDS_IDS: tl.constexpr = 0,
+                 ROUNDS_X: tl.constexpr = 0):
+    """SEND: also post the hand-off's job (`handoff.job_begin` / `job_post`, the args from
+    x_ptr on) as soon as the fetches are chosen, before their victim slots: the CPU worker
+    starts one launch earlier than with a send kernel, and the victim scan after it."""
     never = 0x7FFFFFFFFFFFFFFF
     # the loads that do not depend on each other first
     clock = tl.load(clock_ptr) + 1
@@ -86,14 +90,27 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     j = tl.arange(0, NB)
     exs = tl.zeros((NB,), tl.int64) - 1
     slots = tl.zeros((NB,), tl.int64) - 1
-    # f times: the most-routed remaining miss takes the best victim, which is then stamped
-    # (protected). A constant trip count, work only while i < f: the interpreter cannot take
-    # a computed loop bound (its scalars are 1-element arrays)
+    # the f fetches: the most-routed remaining miss each time. A constant trip count, work only
+    # while i < f: the interpreter cannot take a computed loop bound (its scalars are
+    # 1-element arrays)
+    fetch = e < 0
     for i in range(0, NB):
         if i < f:
             best = tl.max(score, axis=0)
             ex = E - 1 - best % E
             score = tl.where(e == ex, -1, score)
+            fetch = fetch | (e == ex)
+            exs = tl.where(j == i, ex, exs)
+    if SEND:  # the CPU's share is known now (misses not fetched): post the job before the
+        # victims are chosen, the map from the registers (the worker reads its signs only:
+        # a fetched expert's slot is not chosen yet, any slot >= 0 says "not the CPU's")
+        n_job = job_begin(x_ptr, ids_ptr, w_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
+                          o_job, o_ids, o_w, o_x, H, K, BLOCK, ROUNDS_IDS, ROUNDS_X)
+        tl.store(hi32 + o_map + e, tl.where(fetch, 0, cur), mask=e_ok)
+        job_post(n_job, hi32, o_go, ASM)
+    # each fetch takes the best victim, which is then stamped (protected)
+    for i in range(0, NB):
+        if i < f:
             if SB >= S:  # one chunk: from the registers
                 slot = _victim(lu1, s1, clock, S) % (S + 1)
                 lu1 = tl.where(s1 == slot, clock, lu1)
@@ -106,7 +123,6 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
                 slot = key % (S + 1)
                 tl.store(last_ptr + slot, clock)
                 tl.debug_barrier()
-            exs = tl.where(j == i, ex, exs)
             slots = tl.where(j == i, slot, slots)
     # the f assignments at once: distinct slots, so distinct old owners; the new keys are
     # misses, owners of no slot, so no store below overlaps another
@@ -127,10 +143,6 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     else:
         tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) - f)
     tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + f)
-    if SEND:
-        tl.debug_barrier()  # the map's stores above are seen by every thread of the program
-        write_job(x_ptr, ids_ptr, w_ptr, slot_of_ptr + base, seq_ptr, hi32, hf32, hx, layer,
-                  act, xdt, T, o_go, o_job, o_ids, o_w, o_map, o_x, H, K, E, BLOCK)
 
 
 def scan_shape(S: int) -> tuple[int, int]:
@@ -149,7 +161,7 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's
     `live` word, its device copy on a GPU) holding the real tokens of the step; rows past it
     are ignored. job: the hand-off's job of this call (`handoff.job_args`), posted by the same
-    launch once the map is written."""
+    launch once the fetches are chosen."""
     E, S = cache.num_experts, cache.num_slots
     flat = ids.reshape(-1)
     R = flat.numel()
@@ -160,6 +172,7 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     else:
         args, consts = job
         send = (args[0],) + args[2:]  # the plan's own ids are the job's
+        consts = dict(consts, **interp_rounds(args[10], consts["K"], consts["H"], JOB_BLOCK))
     sb, warps = scan_shape(S)
     _plan_kernel[(1,)](
         flat, R, cache.slot_of, cache.owner, cache.last_use, cache.clock, cache.counters, q,
@@ -167,5 +180,6 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
         ids.shape[1] if ids.dim() == 2 else 1, *send, S=S, E=E, EB=triton.next_power_of_2(E),
         RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
         HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
-        BLOCK=JOB_BLOCK, num_warps=warps)
+        ROUNDS_IDS=consts.get("ROUNDS_IDS", 0), ROUNDS_X=consts.get("ROUNDS_X", 0),
+        BLOCK=JOB_BLOCK, ASM=not interpreting(), num_warps=warps)
     return out
