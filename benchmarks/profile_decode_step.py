@@ -143,7 +143,9 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     without the profiler, the hand-off worker's job record on, summed per step: where the
     CPU's side of a step goes (executor, compaction before it, the answer after it) and how
     long it waits between jobs for the device (the layers' GPU work before each hand-off),
-    beside the expert-cache counters. '' for other backends."""
+    on a GPU also how long the device waits for the answers (the receive kernels' polling:
+    near zero when the device's share of a layer is the longer one), beside the expert-cache
+    counters. '' for other backends."""
     moe = runner.engine.moe
     ho = getattr(getattr(moe, "cache", None), "_handoff", None)
     if ho is None:
@@ -152,6 +154,7 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     ho.set_trace(True)
     if on_cuda:
         torch.cuda.synchronize()
+    w0 = ho.device_waits()
     t0 = time.perf_counter()
     for _ in range(steps):
         runner._step()
@@ -160,6 +163,7 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     wall = (time.perf_counter() - t0) / steps * 1e6
     tr = ho.trace()
     ho.set_trace(False)
+    w1 = ho.device_waits()
     c1 = moe.counters()
     if len(tr) == 0:
         return "\nhand-off: no jobs in these steps"
@@ -179,6 +183,10 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
                       ("waiting for the device between jobs", gaps.sum())):
         lines.append(f"{label:<44} {us / steps:>9.1f} {us / len(tr):>9.1f} "
                      f"{100 * us / steps / wall:>7.1f}%")
+    if w0 is not None:  # the other side: the device's receive kernels polling for answers
+        us, calls = w1[0] - w0[0], w1[1] - w0[1]
+        lines.append(f"{'device waiting for the answers (receive)':<44} {us / steps:>9.1f} "
+                     f"{us / max(calls, 1):>9.1f} {100 * us / steps / wall:>7.1f}%")
     busy = f1 > f0
     if busy.any():
         b0 = ho._banks[0]

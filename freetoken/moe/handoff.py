@@ -94,6 +94,9 @@ class Handoff:
                                    b.scales.data_ptr())
         # the job number: a device counter on a GPU (kernels advance it), else host-side
         self.seq = torch.zeros(1, dtype=torch.int32, device=self.device) if pin else None
+        # on a GPU: nanoseconds the receive kernels polled for answers, and their calls
+        with torch.inference_mode(False):
+            self._waits = torch.zeros(2, dtype=torch.int64, device=self.device) if pin else None
         self._n = 0
 
     def close(self) -> None:
@@ -116,6 +119,14 @@ class Handoff:
         executor end, done set (steady-clock microseconds), rows and routes computed. Read it
         between steps (no job running)."""
         return np.asarray(self._worker.trace(), dtype=np.int64).reshape(-1, 6)
+
+    def device_waits(self) -> tuple[float, int] | None:
+        """(microseconds the device's receive kernels waited for the CPU's answers, calls)
+        since the buffer was made, on a GPU (a sync: read it between steps); else None."""
+        if self._waits is None:
+            return None
+        ns, calls = self._waits.tolist()
+        return ns / 1e3, calls
 
     @property
     def live(self) -> torch.Tensor:
@@ -176,7 +187,7 @@ class Handoff:
         if self.seq is not None:
             from freetoken.kernels.triton.handoff import receive_add
 
-            return receive_add(y, self.seq, self.buf, self.off)
+            return receive_add(y, self.seq, self.buf, self.off, self._waits)
         if not self._worker.wait(self._n, WAIT_TIMEOUT_S):
             self._host["error"][0] = 1
             self.check()

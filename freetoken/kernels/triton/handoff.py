@@ -109,7 +109,9 @@ def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer,
 
 @triton.jit
 def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_out, N,
-                    timeout_ns, BLOCK: tl.constexpr):
+                    timeout_ns, waits_ptr, BLOCK: tl.constexpr):
+    """waits_ptr: int64 [2], program 0 adds the nanoseconds it polled and 1 (the device's wait
+    for the CPU's answer, which profile_decode_step.py reports)."""
     n = tl.load(seq_ptr)
     t0 = _now_ns(n)
     d = tl.load(hi32 + o_done, volatile=True)
@@ -119,6 +121,9 @@ def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_ou
         waited = _now_ns(d) - t0
     if d != n:
         tl.store(hi32 + o_timeout, 1)
+    if tl.program_id(0) == 0:
+        tl.atomic_add(waits_ptr, waited)
+        tl.atomic_add(waits_ptr + 1, 1)
     d = _fence_sys(d)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -187,16 +192,17 @@ def send(job: tuple[tuple, dict], emap: torch.Tensor) -> None:
                        BLOCK=1024, num_warps=8)
 
 
-def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
-                ) -> torch.Tensor:
-    """y + the CPU's out (fp32 sum, y's dtype), after waiting for the worker's answer."""
+def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict,
+                waits: torch.Tensor) -> torch.Tensor:
+    """y + the CPU's out (fp32 sum, y's dtype), after waiting for the worker's answer; the
+    wait's nanoseconds and one call are added to waits (int64 [2] on the device)."""
     out = torch.empty_like(y)
     N = y.numel()
     BLOCK = 1024
     _receive_kernel[(triton.cdiv(N, BLOCK),)](
         y.contiguous(), out, seq, buf.view(torch.int32), buf.view(torch.float32),
         off["done"] // 4, off["timeout"] // 4, off["out"] // 4, N, int(TIMEOUT_S * 1e9),
-        BLOCK=BLOCK, num_warps=4)
+        waits, BLOCK=BLOCK, num_warps=4)
     return out
 
 
