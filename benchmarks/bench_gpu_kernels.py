@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gpu_kernels.py [--formats nvfp4,Q4_K] [--moe-tokens 1,16,512]
         [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
+    python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge
 
 `Q8_0s` is Q8_0 split as the loader places dense Q8_0 weights on CUDA (int8 codes and f16 block
 scales apart: `freetoken.kernels.triton.formats.split_q8_0`); `Q8_0` the blocks as stored.
@@ -15,7 +16,9 @@ over the copy bandwidth (read + write) measured at the start.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
+import sys
 
 import torch
 
@@ -320,6 +323,47 @@ def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -
         print(f"slot plan, {slots} slots, {t} token(s): " + " | ".join(cells), flush=True)
 
 
+# (name, query heads, KV heads, head size) of decode attention
+ATTN_SHAPES = [("30B", 32, 4, 128), ("35B", 16, 2, 256)]
+# (context, keys the page table holds): the table sets the split count (`num_splits`), the
+# context each split's share; a graph captured for 4096 keys replays shorter contexts too
+ATTN_CONTEXTS = [(128, 128), (128, 4096), (1024, 1024), (1024, 4096), (4096, 4096)]
+
+
+def bench_attention(hbm: float, page: int = 16) -> None:
+    """Decode attention, bf16 KV in pages of 16 keys (the engine's default), Qwen3-30B-A3B's
+    and Qwen3.6-35B-A3B's heads at batch 1, 4 and 16: split-K merged by the last split to
+    arrive (the default) against the merge kernel's launch and one split. us per call
+    replayed from a CUDA graph; GB/s of the K and V bytes the contexts hold."""
+    from freetoken.kernels.triton.attention import _tiles, decode, num_splits
+
+    variants = (("merged", {}), ("merge launch", {"fused_merge": False}),
+                ("1 split", {"splits": 1}))
+    print(f"{'shape':5s} {'batch':>5s} {'ctx':>5s} {'table':>5s} {'splits':>6s} "
+          + " ".join(f"{label + ' us':>15s} {'GB/s':>6s}" for label, _ in variants))
+    for name, n_q, n_kv, d in ATTN_SHAPES:
+        for b in (1, 4, 16):
+            for ctx, keys in ATTN_CONTEXTS:
+                n_pages = b * keys // page
+                cache = torch.randn(2, n_pages, page, n_kv, d, device="cuda",
+                                    dtype=torch.bfloat16)
+                table = torch.randperm(n_pages, device="cuda").to(torch.int32).view(b, -1)
+                lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+                q = torch.randn(b, n_q, d, device="cuda", dtype=torch.bfloat16)
+                nbytes = 2 * b * ctx * n_kv * d * cache.element_size()
+                call = functools.partial(decode, q, cache, table, lens, scale=d ** -0.5,
+                                         window=None, softcap=None)
+                cells = []
+                for _, kw in variants:
+                    eager, graph = time_call(lambda call=call, kw=kw: call(**kw))
+                    ms = graph or eager
+                    cells.append(f"{ms * 1e3:15.1f} {nbytes / ms / 1e6:6.0f}")
+                splits = num_splits(b, n_kv, keys, _tiles(d)[0])
+                print(f"{name:5s} {b:5d} {ctx:5d} {keys:5d} {splits:6d} " + " ".join(cells),
+                      flush=True)
+    print(f"(HBM copy {hbm:.0f} GB/s)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--formats", default="nvfp4,Q4_K,Q8_0s,Q8_0,Q6_K,mxfp4,MXFP4,fp8_block,bf16")
@@ -334,6 +378,9 @@ def main() -> None:
     p.add_argument("--dense-gemm", action="store_true",
                    help="only time prefill's dense linears: tl.dot tiles against decoded rows "
                         "and torch's GEMM")
+    p.add_argument("--attention", action="store_true",
+                   help="only time decode attention: split-K merged in the kernel against "
+                        "the merge kernel's launch and one split")
     p.add_argument("--plan", action="store_true",
                    help="only time the slot plan with and without posting the CPU's job")
     p.add_argument("--plan-slots", default=None,
@@ -344,6 +391,15 @@ def main() -> None:
         p.error("--plan-slots goes with --plan")
     if a.dense_gemm and (a.router or a.plan or a.sweep):
         p.error("--dense-gemm runs alone (not with --router, --plan or --sweep)")
+    if a.attention and (a.router or a.plan or a.dense_gemm or a.sweep):
+        p.error("--attention runs alone (not with --router, --plan, --dense-gemm or --sweep)")
+    if a.attention:
+        if not torch.cuda.is_available():
+            sys.exit("bench_gpu_kernels.py --attention: needs a CUDA GPU (it times the "
+                     "compiled kernels from CUDA graphs); on the CPU the kernels' tests run "
+                     "under Triton's interpreter: pytest tests/kernels/test_triton_attention.py")
+        bench_attention(hbm_copy_gbs())
+        return
     if a.router:
         bench_router()
         return

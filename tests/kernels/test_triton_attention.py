@@ -122,12 +122,14 @@ def test_decode_split_k_matches_unsplit():
         close_fp32(out.cpu(), ref)
 
 
-def test_decode_quantized_output():
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_decode_quantized_output(fused_merge):
     """With `quantize`, decode also stores its bf16 output quantized for the output
     projection's int8 GEMV: exactly the quantization of the stored output, rows of all query
     heads in order (one split: the query heads of a KV head per program, G = 2 of a 16-row
-    tile; three splits: the merge kernel, one head per program); the output itself unchanged
-    (to its rounding on the GPU)."""
+    tile; three and eight splits (five of them empty for 150 keys, seven for 40): the last
+    split to arrive, the query heads of its KV head, or the merge kernel, one head per
+    program); the output itself unchanged (to its rounding on the GPU)."""
     sys.path.insert(0, os.path.dirname(__file__))
     import triton_cases as cases
 
@@ -138,11 +140,11 @@ def test_decode_quantized_output():
     cache = torch.randn(2, 14, 16, 2, 32, generator=gen).to(torch.bfloat16)
     q = torch.randn(2, 4, 32, generator=gen).to(torch.bfloat16)
     cache, q, table, lens = (t.to(DEV) for t in (cache, q, ctx.page_table, ctx.seq_lens))
-    for splits in (1, 3):
-        plain, none = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
-                                 splits=splits)
-        out, q8 = tri.decode(q, cache, table, lens, scale=0.2, window=None, softcap=None,
-                             splits=splits, quantize=True)
+    for splits in (1, 3, 8):
+        kw = dict(scale=0.2, window=None, softcap=None, splits=splits,
+                  fused_merge=fused_merge)
+        plain, none = tri.decode(q, cache, table, lens, **kw)
+        out, q8 = tri.decode(q, cache, table, lens, quantize=True, **kw)
         assert none is None
         if CUDA:  # compiled without fused multiply-adds when quantizing (the codes' rounding)
             assert torch.allclose(out.float(), plain.float(), rtol=2.0**-7, atol=1e-6)
@@ -151,13 +153,113 @@ def test_decode_quantized_output():
         cases.check_codes(q8, out.reshape(2, -1))
 
 
-def test_num_splits_few_variants():
-    """Split counts are powers of two up to 16 (few compiled variants), 1 for full batches."""
+# Decode contexts for the split merge: one key (every split but the first empty), a share
+# shorter than a block, uneven shares, a block boundary and one key past it.
+MERGE_LENS = [1, 40, 150, 64, 65, 257]
+
+
+def _decode_ref(lens, n_q, n_kv, d, window, softcap, seed=5):
+    """(q, cache, table, seq_lens on DEV, reference out [B, n_q, d]) for decode queries at
+    positions lens - 1, pages of 16 keys."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = sum(-(-n // 16) for n in lens) + 2
+    ctx = make_ctx([n - 1 for n in lens], [1] * len(lens), 16, pages, "cpu", gen)
+    cache = torch.randn(2, pages, 16, n_kv, d, generator=gen)
+    q = torch.randn(len(lens), n_q, d, generator=gen)
+    zero = torch.zeros(len(lens), n_kv, d)
+    ref = paged_attention(q, zero, zero, cache, ctx, scale=d ** -0.5, window=window,
+                          softcap=softcap)  # writes the zero rows
+    return (*(t.to(DEV) for t in (q, cache, ctx.page_table, ctx.seq_lens)), ref)
+
+
+def _decode(*args, **kw):
+    from freetoken.kernels.triton.attention import decode
+
+    return decode(*args, **kw)
+
+
+def _merged_both(q, cache, table, lens, ref, splits, **kw):
+    """The splits merged in the decode kernel and by the merge kernel, both against the
+    reference; under the interpreter the two are equal (the same sums in the same order),
+    compiled they may differ in the order of the splits' sum."""
+    fused, _ = _decode(q, cache, table, lens, splits=splits, **kw)
+    apart, _ = _decode(q, cache, table, lens, splits=splits, fused_merge=False, **kw)
+    close_fp32(fused.cpu(), ref)
+    close_fp32(apart.cpu(), ref)
+    if not CUDA:
+        assert torch.equal(fused, apart)
+    return fused
+
+
+class _Spy:
+    """A kernel whose launches' grids are recorded."""
+
+    def __init__(self, kernel, grids: list) -> None:
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (50, None), (30, 2.0)])
+def test_decode_merge_in_kernel(window, softcap):
+    """Split-K merged by the last split of each (sequence, kv head) to arrive: the automatic
+    split count (4 for this table of 272 keys: one key block a split) and a forced odd one,
+    over contexts with empty splits and uneven shares."""
     from freetoken.kernels.triton.attention import num_splits
 
-    seen = {num_splits(b, h, c, 64) for b in (1, 2, 3, 16, 64) for h in (1, 4, 8)
-            for c in range(16, 50000, 997)}
-    assert seen <= {1, 2, 4, 8, 16} and num_splits(64, 4, 40960, 64) == 1
+    q, cache, table, lens, ref = _decode_ref(MERGE_LENS, 4, 2, 32, window, softcap)
+    assert num_splits(len(MERGE_LENS), 2, table.shape[1] * 16, 64) == 4
+    for splits in (None, 3):
+        _merged_both(q, cache, table, lens, ref, splits, scale=32 ** -0.5, window=window,
+                     softcap=softcap)
+
+
+def test_decode_merge_most_splits_twice(monkeypatch):
+    """16 splits (most of them empty: 1, 150 and 257 keys in shares of one block), a padded
+    head size (40 of 64) and a 3-head group; a second call gives the same output without a
+    merge launch and leaves the arrival counters at zero (each was reset by its last
+    arriver: graph replays work)."""
+    from freetoken.kernels.triton import attention as tri
+    from freetoken.kernels.triton.arrive import counters
+
+    lens = [1, 150, 257]
+    q, cache, table, seq_lens, ref = _decode_ref(lens, 6, 2, 40, 200, None)
+    kw = dict(scale=40 ** -0.5, window=200, softcap=None)
+    first = _merged_both(q, cache, table, seq_lens, ref, 16, **kw)
+    launched = []
+    monkeypatch.setattr(tri, "_merge_kernel", _Spy(tri._merge_kernel, launched))
+    again, _ = _decode(q, cache, table, seq_lens, splits=16, **kw)
+    assert torch.equal(again, first) and launched == []
+    assert not counters("attn_merge", tri.MERGE_COUNTERS, q.device).any()
+
+
+def test_decode_merge_beyond_counters(monkeypatch):
+    """More (sequence, kv head) pairs than MERGE_COUNTERS: the merge kernel takes over."""
+    from freetoken.kernels.triton import attention as tri
+
+    q, cache, table, lens, ref = _decode_ref(MERGE_LENS, 4, 2, 32, None, None)
+    monkeypatch.setattr(tri, "MERGE_COUNTERS", len(MERGE_LENS) * 2 - 1)
+    launched = []
+    monkeypatch.setattr(tri, "_merge_kernel", _Spy(tri._merge_kernel, launched))
+    out, _ = tri.decode(q, cache, table, lens, scale=32 ** -0.5, window=None, softcap=None,
+                        splits=4)
+    close_fp32(out.cpu(), ref)
+    assert launched == [(len(MERGE_LENS), 4)]
+
+
+def test_num_splits_few_variants():
+    """Split counts are powers of two up to 16 (few compiled variants), 1 for full batches;
+    each split has at least one key block (64 keys here) of the table's capacity, so one
+    sequence splits from a table of two blocks on."""
+    from freetoken.kernels.triton.attention import num_splits
+
+    cases = {(b, h, c): num_splits(b, h, c, 64) for b in (1, 2, 3, 16, 64) for h in (1, 4, 8)
+             for c in range(16, 50000, 997)}
+    assert set(cases.values()) <= {1, 2, 4, 8, 16} and num_splits(64, 4, 40960, 64) == 1
+    assert all(s == 1 or s * 64 <= c for (_, _, c), s in cases.items())
+    assert num_splits(1, 4, 256, 64) == 4 and num_splits(1, 2, 512, 32) == 16
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (6, None), (None, 5.0)])

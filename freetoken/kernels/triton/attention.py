@@ -12,8 +12,11 @@ host only picks launch shapes from tensor shapes (batch, table width) and, for p
 longest query chunk (`ctx.max_seqlen_q`, or T when the caller did not say).
 
 Decode: one program per (sequence, kv head, split): the G query heads sharing a KV head are
-the rows of one tile, so K and V are read once per KV head. Long contexts are split over the
-sequence (split-K); a second small kernel merges the splits' (max, denominator, acc).
+the rows of one tile, so K and V are read once per KV head. Where few (sequence, kv head) pairs
+would leave SMs idle, the sequence is split (split-K, down to one key block a split): each
+split stores its (acc, max, denominator) and counts itself in an arrival counter of its
+(sequence, kv head) (`arrive.py`); the last split to arrive merges them, so the merge needs no
+launch of its own (beyond MERGE_COUNTERS pairs, or on request, `_merge_kernel` does it).
 Prefill: flash-attention over `cu_seqlens_q`, one program per (query block, query head,
 sequence), reading K / V through the page table.
 """
@@ -25,6 +28,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import interpreting, pdl
+from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.pdl import wait
 
@@ -101,15 +105,60 @@ def _attend_block(q, acc, m, den, cache_ptr, v_plane, table_row, j, jmask, smask
 
 
 @triton.jit
+def _store_rows(out, out_ptr, q8_ptr, b, kvh, heads, dims, gmask, dmask, stride_ot, stride_oh,
+                stride_q8, N_KV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                QUANT: tl.constexpr):
+    """The output rows out [G_PAD, D_PAD] of KV head kvh's query heads (QUANT: also their
+    codes, `quant_store`, from the values as stored)."""
+    dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    if QUANT:
+        quant_store(out.to(out_ptr.dtype.element_ty).to(tl.float32),
+                   q8_ptr + b.to(tl.int64) * stride_q8, kvh * G * D, gmask, N_KV * G * D)
+
+
+@triton.jit
+def _merge_splits(part_ptr, rows, gmask, dims, live_len, split_len, G_PAD: tl.constexpr,
+                  D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    """The merged output [G_PAD, D_PAD] of the partial rows `rows` [G_PAD] (query heads of
+    one KV head; split s at rows * NUM_SPLITS + s), `_merge_kernel`'s arithmetic: weights
+    exp(m - max m). A split that starts at or past the sequence's end (s split_len >=
+    live_len: m = NEG, weight 0) is masked instead of read, which gives the same sums. One
+    split's [G_PAD, D_PAD] partial at a time (as many registers as the acc tile), read from L2
+    (other SMs wrote them)."""
+    s = tl.arange(0, S_PAD)
+    live = (s < NUM_SPLITS) & (s * split_len < live_len)
+    at = (rows[:, None] * NUM_SPLITS + s[None, :]).to(tl.int64) * (D_PAD + 2) + D_PAD
+    m = tl.load(part_ptr + at, mask=gmask[:, None] & live[None, :], other=NEG,
+                cache_modifier=".cg")
+    top = tl.max(m, 1)  # [G_PAD]
+    num = tl.zeros([G_PAD, D_PAD], tl.float32)
+    den = tl.zeros([G_PAD], tl.float32)
+    for j in tl.static_range(NUM_SPLITS):
+        ok = gmask & (j * split_len < live_len)
+        base = part_ptr + (rows * NUM_SPLITS + j).to(tl.int64) * (D_PAD + 2)
+        w = tl.exp(tl.load(base + D_PAD, mask=ok, other=NEG, cache_modifier=".cg") - top)
+        num += tl.load(base[:, None] + dims[None, :], mask=ok[:, None], other=0.0,
+                       cache_modifier=".cg") * w[:, None]
+        den += tl.load(base + D_PAD + 1, mask=ok, other=0.0, cache_modifier=".cg") * w
+    return num / tl.maximum(den, 1e-30)[:, None]
+
+
+@triton.jit
 def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, q8_ptr,
-                   stride_qt, stride_qh, stride_ot, stride_oh, stride_table, stride_q8, v_plane,
-                   scale, softcap, window, PAGE: tl.constexpr, N_KV: tl.constexpr,
-                   D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr, MAX_ITERS: tl.constexpr,
-                   QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+                   count_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
+                   stride_q8, v_plane, scale, softcap, window, PAGE: tl.constexpr,
+                   N_KV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
+                   G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                   MAX_ITERS: tl.constexpr, QUANT: tl.constexpr = False,
+                   MERGE: tl.constexpr = False, S_PAD: tl.constexpr = 2,
+                   PDL: tl.constexpr = False):
     """QUANT (D = D_PAD, a multiple of 32): the output rows are also stored quantized for the
-    output projection's int8 GEMV (`gemv_i8.quant_store`, rows of `xq_len(Hq D)` at q8)."""
+    output projection's int8 GEMV (`gemv_i8.quant_store`, rows of `xq_len(Hq D)` at q8).
+    NUM_SPLITS > 1: partials [B, Hq, NUM_SPLITS, D_PAD + 2] at part; MERGE: the last split
+    of a (sequence, kv head) to arrive (counter b N_KV + kvh at count) merges them into out,
+    else `_merge_kernel` does."""
     wait(PDL)  # pdl.py: the kernel before has completed
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -140,18 +189,20 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
                                   jmask[None, :] & gmask[:, None], kvh, dims, dmask, scale,
                                   softcap, PAGE, N_KV, D, HAS_SOFTCAP, IEEE)
     if NUM_SPLITS == 1:
-        out = acc / tl.maximum(den, 1e-30)[:, None]
-        dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=qm)
-        if QUANT:
-            quant_store(out.to(out_ptr.dtype.element_ty).to(tl.float32),
-                       q8_ptr + b.to(tl.int64) * stride_q8, kvh * G * D, gmask, N_KV * G * D)
+        _store_rows(acc / tl.maximum(den, 1e-30)[:, None], out_ptr, q8_ptr, b, kvh, heads,
+                    dims, gmask, dmask, stride_ot, stride_oh, stride_q8, N_KV, G, D, QUANT)
     else:  # partials [B, Hq, NUM_SPLITS, D_PAD + 2]: acc, then m, then den
-        row = (b * (N_KV * G) + heads) * NUM_SPLITS + split
-        base = part_ptr + row.to(tl.int64) * (D_PAD + 2)
+        rows = b * (N_KV * G) + heads
+        base = part_ptr + (rows * NUM_SPLITS + split).to(tl.int64) * (D_PAD + 2)
         tl.store(base[:, None] + dims[None, :], acc, mask=gmask[:, None])
         tl.store(base + D_PAD, m, mask=gmask)
         tl.store(base + D_PAD + 1, den, mask=gmask)
+        if MERGE:
+            if last_to_arrive(count_ptr + b * N_KV + kvh, NUM_SPLITS):
+                out = _merge_splits(part_ptr, rows, gmask, dims, seq_len - first, split_len,
+                                    G_PAD, D_PAD, NUM_SPLITS, S_PAD)
+                _store_rows(out, out_ptr, q8_ptr, b, kvh, heads, dims, gmask, dmask,
+                            stride_ot, stride_oh, stride_q8, N_KV, G, D, QUANT)
 
 
 @triton.jit
@@ -159,7 +210,8 @@ def _merge_kernel(part_ptr, out_ptr, q8_ptr, stride_ot, stride_oh, stride_q8, H:
                   D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   S_PAD: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program per (sequence, query head): softmax-weighted sum of its splits (QUANT: also
-    quantized, as `_decode_kernel` stores it)."""
+    quantized, as `_decode_kernel` stores it). The path where the splits' counters do not
+    fit MERGE_COUNTERS (or `decode(fused_merge=False)`)."""
     wait(PDL)  # pdl.py: the kernel before has completed
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -259,23 +311,40 @@ def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
 
 
 def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
-    """Splits of the sequence for decode: enough programs to fill the GPU, at most one per 256
-    keys of the table's capacity. Depends on shapes only (the same for every replay of a
-    captured graph); each program sizes its share from the sequence's length. A power of two,
-    so eager steps, whose table width varies, compile at most five variants."""
+    """Splits of the sequence for decode: enough programs to fill the GPU (some 256), at most
+    one per key block (block_n keys, the kernel's step) of the table's capacity, 16 at most.
+    Depends on shapes only (the same for every replay of a captured graph); each program
+    sizes its share from the sequence's length, so a short context in a wide table leaves
+    the later splits empty (they store m = NEG, weight 0, which the in-kernel merge does not
+    read). A power of two, so eager steps, whose table width varies, compile at most five
+    variants.
+
+    One sequence at a short context is latency, not bandwidth: at splits = 1 a program walks
+    its blocks one after the other (page table, K, dot, V), 4 programs for Qwen3-30B's KV
+    heads. Split down to a block each, the blocks run side by side in programs of their own,
+    and the last to arrive merges them (`_decode_kernel`)."""
     if batch * n_kv >= 128:
         return 1
-    want = max(1, min(256 // (batch * n_kv), 16, max_ctx // max(256, block_n)))
+    want = max(1, min(256 // (batch * n_kv), 16, max_ctx // block_n))
     return 1 << (want.bit_length() - 1)
+
+
+# Arrival counters of the in-kernel merge, one per (sequence, kv head). num_splits splits only
+# below 128 pairs, so 128 would serve its choices; 4096 words (16 KiB a device) leave room for
+# a forced `splits` (tests, benchmarks) up to 256 sequences of 16 KV heads. Beyond that the
+# splits are merged by `_merge_kernel`.
+MERGE_COUNTERS = 4096
 
 
 def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, *, scale: float, window: int | None,
-           softcap: float | None, splits: int | None = None, quantize: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+           softcap: float | None, splits: int | None = None, quantize: bool = False,
+           fused_merge: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per sequence: q [B, n_q, d] at position seq_lens - 1 -> (out [B, n_q, d],
     with `quantize` and d a power of two from 32 on: out quantized for the output
-    projection's int8 GEMV [B, xq_len(n_q d)], else None)."""
+    projection's int8 GEMV [B, xq_len(n_q d)], else None). `splits`: force a split count
+    (else `num_splits`); `fused_merge=False`: merge the splits in a launch of their own
+    (`_merge_kernel`, also the path beyond MERGE_COUNTERS (sequence, kv head) pairs)."""
     q = _rows(q)
     bsz, n_q, d = q.shape
     n_kv, page = cache.shape[-2], cache.shape[2]
@@ -287,18 +356,21 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     splits = splits or num_splits(bsz, n_kv, max_ctx, block_n)
     part = (torch.empty(bsz, n_q, splits, d_pad + 2, dtype=torch.float32, device=q.device)
             if splits > 1 else out)
+    fused = splits > 1 and fused_merge and bsz * n_kv <= MERGE_COUNTERS
+    count = counters("attn_merge", MERGE_COUNTERS, q.device) if fused else out
     quantize = quantize and d == d_pad and d % 32 == 0
     q8 = torch.empty(bsz, xq_len(n_q * d), dtype=torch.int32, device=q.device) \
         if quantize else out
     _decode_kernel[(bsz, n_kv, splits)](
-        q, cache, page_table, seq_lens, out, part, q8, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), page_table.stride(0), q8.stride(0), cache[1].numel(), scale,
-        softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=d_pad, G=g,
+        q, cache, page_table, seq_lens, out, part, q8, count, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), page_table.stride(0), q8.stride(0), cache[1].numel(),
+        scale, softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=d_pad, G=g,
         G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=window is not None,
         HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
         MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n), QUANT=quantize,
-        num_warps=warps, enable_fp_fusion=not quantize, **pdl.opts())  # codes: as gemv_i8's
-    if splits > 1:
+        MERGE=fused, S_PAD=_pow2(splits, 2), num_warps=warps, enable_fp_fusion=not quantize,
+        **pdl.opts())  # codes: as gemv_i8's
+    if splits > 1 and not fused:
         _merge_kernel[(bsz, n_q)](part, out, q8, out.stride(0), out.stride(1), q8.stride(0),
                                   H=n_q, D=d, D_PAD=d_pad, NUM_SPLITS=splits,
                                   S_PAD=_pow2(splits, 2), QUANT=quantize,
