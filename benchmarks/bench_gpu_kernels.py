@@ -2,7 +2,8 @@
 
     python benchmarks/bench_gpu_kernels.py [--formats nvfp4,Q4_K] [--moe-tokens 1,16,512]
         [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
-    python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge
+    python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge,
+        # and the q/k norm, rotary and KV store in its launch against a launch of their own
 
 `Q8_0s` is Q8_0 split as the loader places dense Q8_0 weights on CUDA (int8 codes and f16 block
 scales apart: `freetoken.kernels.triton.formats.split_q8_0`); `Q8_0` the blocks as stored.
@@ -337,7 +338,7 @@ def bench_attention(hbm: float, page: int = 16) -> None:
     replayed from a CUDA graph; GB/s of the K and V bytes the contexts hold."""
     from freetoken.kernels.triton.attention import _tiles, decode, num_splits
 
-    variants = (("merged", {}), ("merge launch", {"fused_merge": False}),
+    variants = (("merged", {"fused_merge": True}), ("merge launch", {"fused_merge": False}),
                 ("1 split", {"splits": 1}))
     print(f"{'shape':5s} {'batch':>5s} {'ctx':>5s} {'table':>5s} {'splits':>6s} "
           + " ".join(f"{label + ' us':>15s} {'GB/s':>6s}" for label, _ in variants))
@@ -362,6 +363,49 @@ def bench_attention(hbm: float, page: int = 16) -> None:
                 print(f"{name:5s} {b:5d} {ctx:5d} {keys:5d} {splits:6d} " + " ".join(cells),
                       flush=True)
     print(f"(HBM copy {hbm:.0f} GB/s)")
+    bench_rope_attention(page)
+
+
+# (name, query heads, KV heads, head size, rotary values) of the q/k rope before attention
+ROPE_SHAPES = [("30B", 32, 4, 128, 128), ("35B", 16, 2, 256, 64)]
+
+
+def bench_rope_attention(page: int = 16) -> None:
+    """A decode step's q/k norm, rotary and KV store (qkv rows as the projection gives them)
+    then attention: `qk_rope_triton`'s launch and decode's, against decode doing both
+    (`decode(rope=...)`, the default; FREETOKEN_GPU_ROPE_ATTN=0 gives the two back). us per
+    step replayed from a CUDA graph, where the gap between the two launches counts too."""
+    from freetoken.kernels.triton.attention import decode
+    from freetoken.kernels.triton.rotary import qk_rope_triton
+
+    print(f"\n{'shape':5s} {'batch':>5s} {'ctx':>5s} {'rope + decode us':>16s} "
+          f"{'one launch us':>13s}")
+    for name, n_q, n_kv, d, r in ROPE_SHAPES:
+        for b in (1, 4, 16):
+            for ctx in (128, 1024, 4096):
+                n_pages = b * ctx // page
+                cache = torch.randn(2, n_pages, page, n_kv, d, device="cuda",
+                                    dtype=torch.bfloat16)
+                table = torch.randperm(n_pages, device="cuda").to(torch.int32).view(b, -1)
+                lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+                slots = (table[:, -1].long() * page + page - 1).contiguous()  # the last key
+                qkv = torch.randn(b, (n_q + 2 * n_kv) * d, device="cuda", dtype=torch.bfloat16)
+                q, k, v = (x.view(b, -1, d) for x in qkv.split([n_q * d, n_kv * d, n_kv * d], -1))
+                cos, sin = torch.rand(2, b, r, device="cuda").unbind(0)
+                w = torch.rand(2, d, device="cuda").unbind(0)
+                kw = dict(scale=d ** -0.5, window=None, softcap=None)
+
+                def two(q=q, k=k, v=v, cos=cos, sin=sin, w=w, cache=cache, slots=slots,
+                        table=table, lens=lens, kw=kw):
+                    qo, _ = qk_rope_triton(q, k, cos, sin, *w, 1e-6, (v, cache, slots))
+                    decode(qo, cache, table, lens, **kw)
+
+                def one(q=q, k=k, v=v, cos=cos, sin=sin, w=w, cache=cache, slots=slots,
+                        table=table, lens=lens, kw=kw):
+                    decode(q, cache, table, lens, rope=(k, v, cos, sin, *w, 1e-6, slots), **kw)
+
+                cells = [f"{(g or e) * 1e3:.1f}" for e, g in (time_call(two), time_call(one))]
+                print(f"{name:5s} {b:5d} {ctx:5d} {cells[0]:>16s} {cells[1]:>13s}", flush=True)
 
 
 def main() -> None:

@@ -67,6 +67,13 @@ def gpu_norm_route() -> bool:
     return _unless_off("FREETOKEN_GPU_NORM_ROUTE")
 
 
+def gpu_rope_attn() -> bool:
+    """FREETOKEN_GPU_ROPE_ATTN=0: at decode the q/k norm, rotary and KV store run in a launch of
+    their own before decode attention instead of inside it (`kernels.attention.
+    qk_rope_attention`)."""
+    return _unless_off("FREETOKEN_GPU_ROPE_ATTN")
+
+
 def gpu_down_arrive_sum() -> bool:
     """FREETOKEN_GPU_DOWN_SUM=0: at decode sizes the fused MoE sums each token's routes in a
     launch of its own instead of in the down kernel's last-arriving program

@@ -8,7 +8,8 @@ and with tanh soft-capping of the scores. GQA: query head h reads KV head h // (
 CUDA tensors go to the Triton kernels (`freetoken.kernels.triton.attention`): one batched KV
 store, then the decode kernel when every sequence feeds one token, else the varlen prefill
 kernel; neither reads device values back to the host. This torch code is the CPU path and the
-oracle of their tests.
+oracle of their tests. `qk_rope_attention` puts the q/k norm and rotary in front
+(`kernels.qk_rope_store`); at decode on the GPU the decode kernel does that work itself.
 """
 
 from __future__ import annotations
@@ -16,9 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from freetoken import env
 from freetoken.engine.context import ForwardContext
-from freetoken.kernels import xq
+from freetoken.kernels import rotary, xq
 from freetoken.kernels.cpu_kernels import cpu_attend_single
+
+# Decode steps of CPU tensors through the Triton kernels as well, in `qk_rope_attention`
+# (Triton's interpreter, TRITON_INTERPRET=1, runs them there): the tests check the wiring of
+# the fused and the two-launch paths into the layers without a GPU.
+TRITON_ON_CPU = False
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -74,12 +81,8 @@ def paged_attention(
     linear; a decode step on the GPU also quantizes it once for its int8 GEMV (`kernels.xq`;
     `xq.view` keeps that through the reshape to [T, n_q d]).
     """
+    _check_heads(q, k, cache)
     n_q, n_kv = q.shape[1], k.shape[1]
-    if cache.shape[-2:] != k.shape[-2:] or n_q % n_kv:
-        raise ValueError(
-            f"paged_attention: cache heads/dim {tuple(cache.shape[-2:])} vs k {tuple(k.shape[1:])}"
-            f", {n_q} query heads"
-        )
     if q.is_cuda:
         return paged_attention_triton(q, k, v, cache, ctx, scale=scale, window=window,
                                       softcap=softcap, stored=stored, quantize=quantize)
@@ -104,6 +107,85 @@ def paged_attention(
         mask = _mask(ctx.positions[lo:hi], lens[b], window)
         out[lo:hi] = _attend(q[lo:hi], kk, vv, mask, scale, softcap).to(q.dtype)
     return out
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
+    if cache.shape[-2:] != k.shape[-2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"paged_attention: cache heads/dim {tuple(cache.shape[-2:])} vs k {tuple(k.shape[1:])}"
+            f", {q.shape[1]} query heads"
+        )
+
+
+def qk_rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cache: torch.Tensor,
+    ctx: ForwardContext,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    quantize: bool = False,
+) -> torch.Tensor:
+    """`kernels.qk_rope_store` (optional per-head RMSNorm weights, then rotary by rope = (cos,
+    sin) fp32 [T, r]), then `paged_attention` of the rotated q and k: q [T, n_q, d], k / v
+    [T, n_kv, d] as the qkv projection gives them (strided views are fine) -> [T, n_q, d].
+
+    A decode step on the GPU is one launch: each decode program ropes its query heads in
+    registers, and the one whose keys hold the step's position also ropes the key head and
+    stores k' and v in the cache (`triton.attention.decode(rope=...)`), with the numbers of
+    the two launches. FREETOKEN_GPU_ROPE_ATTN=0 runs those two launches instead; elsewhere
+    (prefill, CPU, layouts the kernels do not take) the two calls as they are."""
+    cos, sin = rope
+    if not _rope_decode_on_triton(q, k, v, cos, sin, (q_weight, k_weight), cache, ctx):
+        q, k, stored = rotary.qk_rope_store(q, k, v, cos, sin, q_weight, k_weight, eps, cache,
+                                            ctx.slot_mapping)
+        return paged_attention(q, k, v, cache, ctx, scale=scale, window=window,
+                               softcap=softcap, stored=stored, quantize=quantize)
+    from freetoken.kernels.triton import attention as tri  # lazy: needs triton
+    from freetoken.kernels.triton.rotary import qk_rope_triton
+
+    rotary._check(q, k, cos, sin, q_weight, k_weight)
+    _check_heads(q, k, cache)
+    if not env.gpu_rope_attn():  # the two launches, for comparison
+        q, k = qk_rope_triton(q, k, cos, sin, q_weight, k_weight, eps,
+                              (v, cache, ctx.slot_mapping))
+        return paged_attention_triton(q, k, v, cache, ctx, scale=scale, window=window,
+                                      softcap=softcap, stored=True, quantize=quantize)
+    out, q8 = tri.decode(q, cache, ctx.page_table, ctx.seq_lens, scale=scale, window=window,
+                         softcap=softcap, quantize=_decode_codes(q, quantize),
+                         rope=(k, v, cos, sin, q_weight, k_weight, eps, ctx.slot_mapping))
+    return xq.attach(out, q8)
+
+
+def _rope_decode_on_triton(q, k, v, cos, sin, weights: tuple, cache: torch.Tensor,
+                           ctx: ForwardContext) -> bool:
+    """Whether `qk_rope_attention` runs a decode step through the Triton kernels: every
+    tensor on CUDA (or, with TRITON_ON_CPU, on the CPU), the layouts `qk_rope_triton` takes
+    with its KV store, d a power of two from 16 on (the decode kernel's tile)."""
+    tensors = (q, k, v, cos, sin, cache, ctx.slot_mapping, *(w for w in weights if w is not None))
+    devices = (all(t.is_cuda for t in tensors)
+               or (TRITON_ON_CPU and not any(t.is_cuda for t in tensors)))
+    d = q.shape[-1]
+    return (ctx.is_decode and devices and d >= 16 and d & (d - 1) == 0
+            and rotary.triton_layout(q, k, cos, sin, weights)
+            and rotary.store_layout(k, v, cache))
+
+
+def _decode_codes(q: torch.Tensor, quantize: bool) -> bool:
+    """Whether decode attention also quantizes its output for the output projection's int8
+    GEMV (`quantize`: a linear takes it).
+
+    From 2 sequences on: measured on the H200 (30B shape, Q4_K), the epilogue cost the
+    1-sequence kernel 1.7 us (6.8 -> 8.5) for 0.8 us saved in o_proj, while at 4 tokens
+    o_proj's int8 GEMV takes 7.6 us with them against 15.9 without."""
+    return quantize and q.shape[0] >= 2 and xq.wanted(q.flatten(1))
 
 
 def _decode_plan(ctx: ForwardContext, page_size: int, window: int | None):
@@ -176,13 +258,9 @@ def paged_attention_triton(
     if not stored:
         tri.store_kv(cache, k, v, ctx.slot_mapping)
     if ctx.is_decode:
-        # Codes for the output projection from 2 sequences on: measured on the H200 (30B
-        # shape, Q4_K), the epilogue cost the 1-sequence kernel 1.7 us (6.8 -> 8.5) for 0.8 us
-        # saved in o_proj, while at 4 tokens o_proj's int8 GEMV takes 7.6 us with them
-        # against 15.9 without.
-        quantize = quantize and q.shape[0] >= 2 and xq.wanted(q.reshape(q.shape[0], -1))
         out, q8 = tri.decode(q, cache, ctx.page_table, ctx.seq_lens, scale=scale,
-                             window=window, softcap=softcap, quantize=quantize)
+                             window=window, softcap=softcap,
+                             quantize=_decode_codes(q, quantize))
         return xq.attach(out, q8)
     max_q = ctx.max_seqlen_q or int(q.shape[0])
     return tri.prefill(q, cache, ctx.page_table, ctx.cu_seqlens_q, ctx.seq_lens, max_q,

@@ -53,12 +53,27 @@ def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def _on_gpu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             weights: tuple) -> bool:
+    return (q.is_cuda and all(t.is_cuda for t in (cos, sin, *weights) if t is not None)
+            and triton_layout(q, k, cos, sin, weights))
+
+
+def triton_layout(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  weights: tuple) -> bool:
+    """Whether `qk_rope_triton` takes these tensors, their device aside: one dtype for q and
+    k, d / 2 a power of two, unit stride in d, fp32 tables (with one row stride) and
+    weights."""
     d = q.shape[-1]
     fp32 = (cos, sin) + tuple(w for w in weights if w is not None)
-    return (q.is_cuda and q.dtype == k.dtype and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+    return (q.dtype == k.dtype and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
             and q.stride(-1) == 1 and k.stride(-1) == 1
-            and all(t.is_cuda and t.dtype == torch.float32 and t.stride(-1) == 1 for t in fp32)
+            and all(t.dtype == torch.float32 and t.stride(-1) == 1 for t in fp32)
             and cos.stride(0) == sin.stride(0))
+
+
+def store_layout(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether `qk_rope_triton` can store k' and v into `cache` (device aside)."""
+    return (v.stride(-1) == 1 and v.shape == k.shape and cache.is_contiguous()
+            and cache.shape[-2:] == k.shape[-2:])
 
 
 def qk_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -99,9 +114,8 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     (q', k', stored). `stored` False: the cache is untouched (the caller's paged_attention
     stores k' and v, as it always did)."""
     _check(q, k, cos, sin, q_weight, k_weight)
-    if (_on_gpu(q, k, cos, sin, (q_weight, k_weight)) and v.is_cuda and v.stride(-1) == 1
-            and v.shape == k.shape and cache.is_cuda and cache.is_contiguous()
-            and cache.shape[-2:] == k.shape[-2:] and slots.is_cuda):
+    if (_on_gpu(q, k, cos, sin, (q_weight, k_weight)) and v.is_cuda and cache.is_cuda
+            and slots.is_cuda and store_layout(k, v, cache)):
         from freetoken.kernels.triton.rotary import qk_rope_triton  # lazy: needs triton
 
         q, k = qk_rope_triton(q, k, cos, sin, q_weight, k_weight, eps, (v, cache, slots))

@@ -61,12 +61,11 @@ class Attention(nn.Module):
         q = q.reshape(-1, s.num_heads, s.head_dim)  # [T, Hq, d]
         k = k.reshape(-1, s.num_kv_heads, s.head_dim)  # [T, Hkv, d]
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
-        # q/k norm, rotary and the KV cache write: one launch on the GPU (kernels/triton/rotary.py)
-        cache = ctx.kv_caches[self.layer_id]
-        q, k, stored = kernels.qk_rope_store(q, k, v, *rope, *norms, s.norm_eps, cache,
-                                             ctx.slot_mapping)
-        o = kernels.paged_attention(
-            q, k, v, cache, ctx, scale=s.scale, window=s.window, softcap=s.softcap,
-            stored=stored, quantize=True,  # for o_proj's int8 GEMV, where it runs one
+        # q/k norm, rotary, the KV cache write and attention: at decode on the GPU one launch
+        # (kernels/triton/attention.py), else qk-rope's launch, then attention
+        o = kernels.qk_rope_attention(
+            q, k, v, rope, *norms, s.norm_eps, ctx.kv_caches[self.layer_id], ctx,
+            scale=s.scale, window=s.window, softcap=s.softcap,
+            quantize=True,  # for o_proj's int8 GEMV, where it runs one
         )
         return self.o_proj(kernels.xq.view(o.contiguous(), -1, s.num_heads * s.head_dim))

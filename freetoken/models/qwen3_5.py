@@ -46,13 +46,11 @@ class Qwen3_5Attention(nn.Module):
         k = k.reshape(-1, c.num_kv_heads, d)  # [T, Hkv, d]
         v = v.reshape(-1, c.num_kv_heads, d)
         # per-head q/k norms, the partial rotary (rope's tables cover the first rotary_dim
-        # values) and the KV write: one launch on the GPU (kernels/triton/rotary.py)
-        cache = ctx.kv_caches[self.kv_id]
-        q, k, stored = kernels.qk_rope_store(q, k, v, *rope, self.q_norm.weight,
-                                             self.k_norm.weight, c.rms_norm_eps, cache,
-                                             ctx.slot_mapping)
-        o = kernels.paged_attention(q.contiguous(), k, v, cache, ctx, scale=c.scale,
-                                    stored=stored)
+        # values), the KV write and attention: at decode on the GPU one launch
+        # (kernels/triton/attention.py), else qk-rope's launch, then attention
+        o = kernels.qk_rope_attention(q, k, v, rope, self.q_norm.weight, self.k_norm.weight,
+                                      c.rms_norm_eps, ctx.kv_caches[self.kv_id], ctx,
+                                      scale=c.scale)
         o = kernels.sigmoid_gate(o.reshape(-1, c.num_heads, d), gate, quantize=True)
         return self.o_proj(o)  # [T, Hq d], with its int8 codes where the GEMV takes them
 

@@ -182,7 +182,7 @@ def _merged_both(q, cache, table, lens, ref, splits, **kw):
     """The splits merged in the decode kernel and by the merge kernel, both against the
     reference; under the interpreter the two are equal (the same sums in the same order),
     compiled they may differ in the order of the splits' sum."""
-    fused, _ = _decode(q, cache, table, lens, splits=splits, **kw)
+    fused, _ = _decode(q, cache, table, lens, splits=splits, fused_merge=True, **kw)
     apart, _ = _decode(q, cache, table, lens, splits=splits, fused_merge=False, **kw)
     close_fp32(fused.cpu(), ref)
     close_fp32(apart.cpu(), ref)
@@ -230,7 +230,7 @@ def test_decode_merge_most_splits_twice(monkeypatch):
     first = _merged_both(q, cache, table, seq_lens, ref, 16, **kw)
     launched = []
     monkeypatch.setattr(tri, "_merge_kernel", _Spy(tri._merge_kernel, launched))
-    again, _ = _decode(q, cache, table, seq_lens, splits=16, **kw)
+    again, _ = _decode(q, cache, table, seq_lens, splits=16, fused_merge=True, **kw)
     assert torch.equal(again, first) and launched == []
     assert not counters("attn_merge", tri.MERGE_COUNTERS, q.device).any()
 
@@ -244,9 +244,25 @@ def test_decode_merge_beyond_counters(monkeypatch):
     launched = []
     monkeypatch.setattr(tri, "_merge_kernel", _Spy(tri._merge_kernel, launched))
     out, _ = tri.decode(q, cache, table, lens, scale=32 ** -0.5, window=None, softcap=None,
-                        splits=4)
+                        splits=4, fused_merge=True)
     close_fp32(out.cpu(), ref)
     assert launched == [(len(MERGE_LENS), 4)]
+
+
+@pytest.mark.parametrize("splits,merge_launches", [(2, 0), (4, 1)])
+def test_decode_merge_default_by_split_count(splits, merge_launches, monkeypatch):
+    """By default the last split merges up to MERGE_MAX_SPLITS splits (measured faster there),
+    a launch of its own merges more; both agree with the reference."""
+    from freetoken.kernels.triton import attention as tri
+
+    assert tri.MERGE_MAX_SPLITS == 2
+    q, cache, table, lens, ref = _decode_ref(MERGE_LENS, 4, 2, 32, None, None)
+    launched = []
+    monkeypatch.setattr(tri, "_merge_kernel", _Spy(tri._merge_kernel, launched))
+    out, _ = tri.decode(q, cache, table, lens, scale=32 ** -0.5, window=None, softcap=None,
+                        splits=splits)
+    close_fp32(out.cpu(), ref)
+    assert len(launched) == merge_launches
 
 
 def test_num_splits_few_variants():

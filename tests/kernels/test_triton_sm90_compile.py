@@ -85,18 +85,24 @@ CASES.update({
 # decode attention (`attention.decode`) with the heads of Qwen3-30B-A3B (d 128, 4 KV heads)
 # and Qwen3.6-35B-A3B (d 256, 2 KV heads), G = 8: one split, split-K merged by the last split to
 # arrive, split-K for the merge kernel; the cases with the output's codes also with a window
-# and a softcap. BLOCK_N and the warps are `attention._tiles`' for the head size.
+# and a softcap. BLOCK_N and the warps are `attention._tiles`' for the head size. `-rope`: the
+# q/k norm, rotary and KV store in the same launch (`decode(rope=...)`), with the models' own
+# rotary (30B: all 128 values, 35B: the first 64 of 256).
 _ATTN_PTRS = {"q_ptr": _BF, "cache_ptr": _BF, "table_ptr": "*i32", "seq_lens_ptr": "*i32",
-              "out_ptr": _BF, "part_ptr": "*fp32", "q8_ptr": "*i32", "count_ptr": "*i32"}
+              "out_ptr": _BF, "part_ptr": "*fp32", "q8_ptr": "*i32", "count_ptr": "*i32",
+              "k_ptr": _BF, "v_ptr": _BF, "qw_ptr": "*fp32", "kw_ptr": "*fp32",
+              "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64"}
 CASES.update({
-    f"attn-decode-d{d}-splits{s}-merge{m}-quant{q}": (
+    f"attn-decode-d{d}-splits{s}-merge{m}-quant{q}" + ("-rope" if rope else ""): (
         "freetoken.kernels.triton.attention", "_decode_kernel", _ATTN_PTRS,
         dict(PAGE=16, N_KV=n_kv, D=d, D_PAD=d, G=8, G_PAD=16, BLOCK_N=block_n, NUM_SPLITS=s,
              HAS_WINDOW=q, HAS_SOFTCAP=q, IEEE=False, MAX_ITERS=0, QUANT=q, MERGE=m,
-             S_PAD=max(2, s), PDL=False), ("scale", "softcap"), warps)
-    for d, n_kv, block_n, warps in ((128, 4, 64, 4), (256, 2, 32, 8))
+             S_PAD=max(2, s), PDL=False, ROPE=rope, NORM=rope, PARTIAL=rope and r < d,
+             RH=r // 2 if rope else 0), ("scale", "softcap", "eps"), warps)
+    for d, n_kv, block_n, warps, r in ((128, 4, 64, 4, 128), (256, 2, 32, 8, 64))
     for s, m, q in ((1, False, False), (1, False, True), (16, True, False), (16, True, True),
                     (16, False, False))
+    for rope in (False, True)
 })
 CASES["attn-merge-quant"] = ("freetoken.kernels.triton.attention", "_merge_kernel", _ATTN_PTRS,
                              dict(H=32, D=128, D_PAD=128, NUM_SPLITS=16, S_PAD=16, QUANT=True,

@@ -17,6 +17,9 @@ would leave SMs idle, the sequence is split (split-K, down to one key block a sp
 split stores its (acc, max, denominator) and counts itself in an arrival counter of its
 (sequence, kv head) (`arrive.py`); the last split to arrive merges them, so the merge needs no
 launch of its own (beyond MERGE_COUNTERS pairs, or on request, `_merge_kernel` does it).
+With `rope` it also does the step's q/k norm, rotary and KV store (`rotary._qk_rope_kernel`'s
+work, which then needs no launch): each program ropes its query heads in registers, the split
+that holds the step's position ropes the key head and stores k' and v before reading its keys.
 Prefill: flash-attention over `cu_seqlens_q`, one program per (query block, query head,
 sequence), reading K / V through the page table.
 """
@@ -31,6 +34,7 @@ from freetoken.kernels.triton import interpreting, pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.pdl import wait
+from freetoken.kernels.triton.rotary import _rope_rows, _store_step_kv
 
 # A finite "minus infinity": a fully masked block gives weight 0, never NaN.
 NEG = tl.constexpr(-1.0e30)
@@ -147,18 +151,26 @@ def _merge_splits(part_ptr, rows, gmask, dims, live_len, split_len, G_PAD: tl.co
 @triton.jit
 def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr, q8_ptr,
                    count_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_table,
-                   stride_q8, v_plane, scale, softcap, window, PAGE: tl.constexpr,
+                   stride_q8, v_plane, scale, softcap, window, k_ptr, v_ptr, qw_ptr, kw_ptr,
+                   cos_ptr, sin_ptr, slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_cos, eps, PAGE: tl.constexpr,
                    N_KV: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
                    G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                    MAX_ITERS: tl.constexpr, QUANT: tl.constexpr = False,
                    MERGE: tl.constexpr = False, S_PAD: tl.constexpr = 2,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
+                   NORM: tl.constexpr = False, PARTIAL: tl.constexpr = False,
+                   RH: tl.constexpr = 0):
     """QUANT (D = D_PAD, a multiple of 32): the output rows are also stored quantized for the
     output projection's int8 GEMV (`gemv_i8.quant_store`, rows of `xq_len(Hq D)` at q8).
     NUM_SPLITS > 1: partials [B, Hq, NUM_SPLITS, D_PAD + 2] at part; MERGE: the last split
     of a (sequence, kv head) to arrive (counter b N_KV + kvh at count) merges them into out,
-    else `_merge_kernel` does."""
+    else `_merge_kernel` does.
+    ROPE (D = D_PAD): q, k, v are the step's raw rows, and the kernel does
+    `rotary._qk_rope_kernel`'s work with the KV store itself (norm weights at qw / kw with
+    NORM, cos / sin rows at cos / sin, first 2 RH values rotated, PARTIAL where 2 RH < D,
+    flat slots at slot); unused pointers and strides otherwise."""
     wait(PDL)  # pdl.py: the kernel before has completed
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
@@ -174,9 +186,25 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
     dims = tl.arange(0, D_PAD)
     gmask, dmask = g < G, dims < D
     heads = kvh * G + g
-    qm = gmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=qm,
-                other=0.0)
+    if ROPE:
+        # The query heads roped in registers and rounded to q's dtype, the numbers of the q'
+        # qk_rope stores. The split whose keys hold the newest position (seq_len - 1, the
+        # step's token; the last non-empty split) ropes its key head and stores it and the
+        # value head in the cache, then a barrier: the CTA's stores before its loads. The
+        # other splits' keys end before that position: they never read it.
+        t = b.to(tl.int64)
+        cos, sin = cos_ptr + t * stride_cos, sin_ptr + t * stride_cos
+        q = _rope_rows(q_ptr + t * stride_qt, heads, gmask, stride_qh, qw_ptr, cos, sin, eps,
+                       D, RH, NORM, PARTIAL).to(q_ptr.dtype.element_ty)
+        if (lo <= seq_len - 1) & (seq_len - 1 < hi):
+            _store_step_kv(k_ptr + t * stride_kt + kvh * stride_kh,
+                           v_ptr + t * stride_vt + kvh * stride_vh, kw_ptr, cos, sin, eps,
+                           cache_ptr, v_plane, slot_ptr, b, kvh, N_KV, D, RH, NORM, PARTIAL)
+            tl.debug_barrier()
+    else:
+        qm = gmask[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=qm, other=0.0)
     q = q.to(cache_ptr.dtype.element_ty)
     m = tl.full([G_PAD], NEG, tl.float32)
     den = tl.zeros([G_PAD], tl.float32)
@@ -334,28 +362,65 @@ def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
 # a forced `splits` (tests, benchmarks) up to 256 sequences of 16 KV heads. Beyond that the
 # splits are merged by `_merge_kernel`.
 MERGE_COUNTERS = 4096
+# Splits up to which the last split merges (None in `decode`): measured on the H200
+# (bench_gpu_kernels.py --attention, graph replays, bf16 KV, 2026-12-02), us in-kernel merge /
+# merge launch: 2 splits (30B shape, 128-key table) 4.6 / 4.9 at batch 1, 5.2 / 5.5 at 4, 5.5 /
+# 5.7 at 16; from 4 splits the lone merging program's serial read of every split's partials
+# lost (35B, 4 splits: 5.4 / 5.3; 30B, 16 splits, 1024 keys: 9.7 / 6.1; 4096 keys: 14.2 /
+# 10.5).
+MERGE_MAX_SPLITS = 2
+
+
+def _rope_args(q: torch.Tensor, rope: tuple | None) -> tuple:
+    """`_decode_kernel`'s arguments k_ptr .. eps: `rope`'s (`decode`), else unused ones."""
+    if rope is None:
+        return (q,) * 7 + (0,) * 5 + (0.0,)
+    k, v, cos, sin, q_weight, k_weight, eps, slots = rope
+    norm = q_weight is not None
+    return (k, v, q_weight if norm else cos, k_weight if norm else cos, cos, sin, slots,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), float(eps))
+
+
+def _rope_consts(q: torch.Tensor, rope: tuple | None) -> dict:
+    """`_decode_kernel`'s ROPE constexprs for `rope` (`decode`)."""
+    if rope is None:
+        return {}
+    d, r = q.shape[-1], rope[2].shape[-1]
+    if d != _pow2(d) or rope[0].shape[0] != q.shape[0]:
+        raise ValueError(f"decode(rope=...): d must be a power of two from 16 on and k one "
+                         f"row per sequence, got q {list(q.shape)}, k {list(rope[0].shape)}")
+    return dict(ROPE=True, NORM=rope[4] is not None, PARTIAL=r < d, RH=r // 2)
 
 
 def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, *, scale: float, window: int | None,
            softcap: float | None, splits: int | None = None, quantize: bool = False,
-           fused_merge: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+           fused_merge: bool | None = None, rope: tuple | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One query per sequence: q [B, n_q, d] at position seq_lens - 1 -> (out [B, n_q, d],
     with `quantize` and d a power of two from 32 on: out quantized for the output
     projection's int8 GEMV [B, xq_len(n_q d)], else None). `splits`: force a split count
-    (else `num_splits`); `fused_merge=False`: merge the splits in a launch of their own
-    (`_merge_kernel`, also the path beyond MERGE_COUNTERS (sequence, kv head) pairs)."""
+    (else `num_splits`); `fused_merge`: the last split merges (True) or a launch of its own
+    does (False: `_merge_kernel`, also the path beyond MERGE_COUNTERS (sequence, kv head)
+    pairs); None: the last split up to MERGE_MAX_SPLITS splits.
+
+    `rope` = (k, v, cos, sin, q_weight, k_weight, eps, slots): q, k [B, n_kv, d], v are the
+    step's rows before `rotary.qk_rope_triton` (d a power of two from 16 on, unit stride in
+    d, its other conditions checked by `freetoken.kernels.rotary`), and this one launch does
+    its work with the KV store (k' and v at flat slots [B]) as well."""
     q = _rows(q)
     bsz, n_q, d = q.shape
     n_kv, page = cache.shape[-2], cache.shape[2]
     g = n_q // n_kv
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     d_pad = _pow2(d)
     block_n, _, warps = _tiles(d_pad)
     max_ctx = page_table.shape[1] * page
     splits = splits or num_splits(bsz, n_kv, max_ctx, block_n)
     part = (torch.empty(bsz, n_q, splits, d_pad + 2, dtype=torch.float32, device=q.device)
             if splits > 1 else out)
+    if fused_merge is None:
+        fused_merge = splits <= MERGE_MAX_SPLITS
     fused = splits > 1 and fused_merge and bsz * n_kv <= MERGE_COUNTERS
     count = counters("attn_merge", MERGE_COUNTERS, q.device) if fused else out
     quantize = quantize and d == d_pad and d % 32 == 0
@@ -364,12 +429,13 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     _decode_kernel[(bsz, n_kv, splits)](
         q, cache, page_table, seq_lens, out, part, q8, count, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), q8.stride(0), cache[1].numel(),
-        scale, softcap or 1.0, window or 0, PAGE=page, N_KV=n_kv, D=d, D_PAD=d_pad, G=g,
-        G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits, HAS_WINDOW=window is not None,
-        HAS_SOFTCAP=softcap is not None, IEEE=cache.dtype == torch.float32,
+        scale, softcap or 1.0, window or 0, *_rope_args(q, rope), PAGE=page, N_KV=n_kv, D=d,
+        D_PAD=d_pad, G=g, G_PAD=_pow2(g), BLOCK_N=block_n, NUM_SPLITS=splits,
+        HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
+        IEEE=cache.dtype == torch.float32,
         MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n), QUANT=quantize,
         MERGE=fused, S_PAD=_pow2(splits, 2), num_warps=warps, enable_fp_fusion=not quantize,
-        **pdl.opts())  # codes: as gemv_i8's
+        **_rope_consts(q, rope), **pdl.opts())  # codes: as gemv_i8's
     if splits > 1 and not fused:
         _merge_kernel[(bsz, n_q)](part, out, q8, out.stride(0), out.stride(1), q8.stride(0),
                                   H=n_q, D=d, D_PAD=d_pad, NUM_SPLITS=splits,

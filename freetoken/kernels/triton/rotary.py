@@ -12,6 +12,10 @@ Partial rotary (cos/sin [T, r], r < d: qwen3.5's attention rotates the first qua
 head): the head's d values are normalised together, its first r rotated in halves of r / 2,
 the rest passed through (`_head_partial`); one launch where the model ran a norm, a rotary
 and a concatenation per tensor and a separate KV store.
+
+`_rope_rows` gives the same numbers for a tile of heads: decode attention ropes its query heads
+with it, and the step's key head (`_store_step_kv`, with the KV store), in its own launch
+(`attention.decode(rope=...)`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,53 @@ def _head_partial(x_ptr, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr, RH: tl.c
     c = tl.load(cos_ptr + i, mask=rot, other=1.0)
     s = tl.load(sin_ptr + i, mask=rot, other=0.0)
     return tl.where(lo, x * c - xp * s, tl.where(rot, x * c + xp * s, x))
+
+
+@triton.jit
+def _rope_rows(x_ptr, rows, rmask, stride_r, w_ptr, cos_ptr, sin_ptr, eps, D: tl.constexpr,
+               RH: tl.constexpr, NORM: tl.constexpr, PARTIAL: tl.constexpr):
+    """Heads [R, D] (head r at x_ptr + rows[r] stride_r, unit stride in d; rows past rmask
+    read as 0) normalised and rotated, fp32: per head the numbers of `_head` (full rotary, RH
+    = D / 2) or `_head_partial`, the same products and sums in the same order (the decode
+    kernel ropes its tile of query heads with it, where this kernel ropes one head a
+    program). Each value's rotation partner is read from memory, as `_head_partial` does."""
+    i = tl.arange(0, D)
+    lo = i < RH
+    rot = i < 2 * RH
+    pj = tl.where(lo, i + RH, tl.where(rot, i - RH, i))
+    base = x_ptr + rows[:, None] * stride_r
+    x = tl.load(base + i[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    xp = tl.load(base + pj[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        sq = x * x
+        if PARTIAL:
+            ms = tl.sum(sq, axis=1) / D
+        else:  # `_head`'s order: each half's sum, then the two
+            ms = (tl.sum(tl.where(lo, sq, 0.0), axis=1)
+                  + tl.sum(tl.where(lo, 0.0, sq), axis=1)) / D
+        inv = (1.0 / tl.sqrt(ms + eps))[:, None]
+        x = x * inv * tl.load(w_ptr + i)[None, :]
+        xp = xp * inv * tl.load(w_ptr + pj)[None, :]
+    c = tl.load(cos_ptr + i, mask=rot, other=1.0)[None, :]
+    s = tl.load(sin_ptr + i, mask=rot, other=0.0)[None, :]
+    return tl.where(lo, x * c - xp * s, tl.where(rot, x * c + xp * s, x))
+
+
+@triton.jit
+def _store_step_kv(k_row, v_row, kw_ptr, cos, sin, eps, cache_ptr, v_plane, slot_ptr, b, kvh,
+                   N_KV: tl.constexpr, D: tl.constexpr, RH: tl.constexpr, NORM: tl.constexpr,
+                   PARTIAL: tl.constexpr):
+    """Sequence b's new key head kvh (at k_row) normalised and rotated (`_rope_rows`, one
+    row), and its value head, into the cache at flat slot slot[b] (< 0: padding, nothing):
+    what `_qk_rope_kernel` stores for them."""
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    one = tl.arange(0, 1)
+    k = _rope_rows(k_row, one, one < 1, 0, kw_ptr, cos, sin, eps, D, RH, NORM, PARTIAL)
+    i = tl.arange(0, D)[None, :]
+    dst = cache_ptr + (slot * N_KV + kvh) * D + i
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=slot >= 0)
+    v = tl.load(v_row + i)
+    tl.store(dst + v_plane, v.to(cache_ptr.dtype.element_ty), mask=slot >= 0)
 
 
 @triton.jit
