@@ -200,6 +200,32 @@ def test_profile_decode_step_with_a_cache_backend(capsys):
     assert "executor (CPU experts' compute)" in out and "counters per step: hits" in out
 
 
+def test_ab_env_alternates_settings(capsys, monkeypatch):
+    """benchmarks/ab_env.py on the CPU: one model, an engine per --set (a switch and an engine
+    field), rounds alternated; a line per round and a table row per setting and batch, and the
+    switches restored afterwards. A bad --set is refused."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import ab_env
+
+    monkeypatch.delenv("FREETOKEN_GPU_SIDE_STREAM", raising=False)
+    common = ["--model", "tiny-qwen3-moe", "--dummy-weights", "--dummy-format", "q4_k",
+              "--device", "cpu", "--moe-backend", "hybrid", "--moe-cache-rate", "0.5",
+              "--batch", "1,2", "--tokens", "3", "--warmup", "1", "--no-show-progress"]
+    res = ab_env.main(common + ["--set", "FREETOKEN_GPU_SIDE_STREAM=0",
+                                "--set", "moe_hybrid_max_fetch=1"])
+    assert sorted(res) == [("FREETOKEN_GPU_SIDE_STREAM=0", 1), ("FREETOKEN_GPU_SIDE_STREAM=0", 2),
+                           ("moe_hybrid_max_fetch=1", 1), ("moe_hybrid_max_fetch=1", 2)]
+    assert all(len(v) == 2 and all(x > 0 for x in v) for v in res.values())
+    out = capsys.readouterr().out
+    assert out.count("round 1 ") == 4 and "tok/s, each round" in out
+    assert "FREETOKEN_GPU_SIDE_STREAM" not in os.environ
+    with pytest.raises(SystemExit, match="neither a FREETOKEN_ switch nor an engine field"):
+        ab_env.main(common + ["--set", "bogus=1", "--set", "moe_cache_rate=0.25"])
+
+
 def test_profile_decode_step_prefill(capsys):
     """benchmarks/profile_decode_step.py --prefill: one table per prompt length, of that one
     prefill step, and no decode tables with an empty --batch."""

@@ -1,0 +1,109 @@
+"""Decode tokens/s of settings side by side on one loaded model: an engine per setting, the
+settings alternated for several rounds (on a shared host, runs minutes apart differ by more
+than most changes do; the expert-cache backends' CPU side most of all).
+
+    python benchmarks/ab_env.py --model qwen3.6-35b-a3b --dummy-weights --dummy-format nvfp4 \
+        --moe-backend hybrid --moe-cache-rate 0.1 --batch 1,4 --rounds 2 \
+        --set FREETOKEN_GPU_SIDE_STREAM=1 --set FREETOKEN_GPU_SIDE_STREAM=0
+
+Each `--set` is one setting: comma-separated NAME=VALUE pairs, environment switches
+(freetoken/env.py, read when an engine is built or a kernel launched) or engine fields
+(`moe_hybrid_max_fetch=1`, `moe_cache_rate=0.25`: EngineConfig's names), applied on top of
+the engine flags. The model is loaded once (`ft bench decode --moe-backends` reuses it the
+same way); each engine's CPU threads stop before the next one starts. Prints a line per
+round and a table of every round's tokens/s per setting and batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _setting(text: str) -> tuple[dict[str, str], dict[str, object]]:
+    """'A=1,moe_cache_rate=0.25' -> (environment switches, engine fields)."""
+    from freetoken.config import EngineConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    env, cfg = {}, {}
+    for pair in filter(None, text.split(",")):
+        name, eq, value = pair.partition("=")
+        if not eq:
+            raise SystemExit(f"--set {text!r}: {pair!r} is not NAME=VALUE")
+        if name.startswith("FREETOKEN_"):
+            env[name] = value
+        elif name in fields:
+            cfg[name] = None if value in ("", "none", "None") else _typed(value)
+        else:
+            raise SystemExit(f"--set {text!r}: {name!r} is neither a FREETOKEN_ switch nor an "
+                             "engine field")
+    return env, cfg
+
+
+def _typed(value: str):
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
+    from freetoken.cli import add_engine_args, engine_config_from_args
+    from freetoken.engine import bench
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_engine_args(p)
+    p.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=64, help="timed decode steps per batch")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--set", action="append", default=[], dest="settings",
+                   help="one setting: NAME=VALUE[,NAME=VALUE...] (give two or more)")
+    args = p.parse_args(argv)
+    if len(args.settings) < 2:
+        raise SystemExit("give at least two --set settings to compare")
+    batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    base = engine_config_from_args(args)
+    parsed = [(s, *_setting(s)) for s in args.settings]
+    saved = {k: os.environ.get(k) for _, env, _ in parsed for k in env}
+    model, res = None, {}
+    try:
+        for r in range(args.rounds):
+            for label, env, fields in parsed:
+                os.environ.update(env)
+                cfg = bench.bench_config(dataclasses.replace(base, **fields), batches,
+                                         args.prompt_len, args.tokens, args.warmup, [])
+                runner = bench._runner(cfg, model)
+                model = runner.engine.model
+                for row in bench.run_decode(runner, batches, args.prompt_len, args.tokens,
+                                            args.warmup, float("nan")):  # no roofline here
+                    res.setdefault((label, row.batch), []).append(row.tokens_per_s)
+                    print(f"round {r} {label} batch {row.batch}: {row.tokens_per_s:.1f} tok/s "
+                          f"{row.ms_per_step:.2f} ms/step", flush=True)
+                if runner.engine.moe is not None:
+                    runner.engine.moe.close()
+                del runner
+                bench._release()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    width = max(len(s) for s in args.settings)
+    print(f"\n{'setting':<{width}} {'batch':>5}   tok/s, each round")
+    for (label, b), xs in res.items():
+        print(f"{label:<{width}} {b:>5}   " + " ".join(f"{x:8.1f}" for x in xs))
+    return res
+
+
+if __name__ == "__main__":
+    main()
