@@ -196,10 +196,8 @@ class SparseMoE(nn.Module):
         # the shared expert as side work: an expert-cache backend overlaps it with the CPU
         return self.experts(x, ids, w, side=SharedSide(self, x))
 
-    def _add_shared(self, y: torch.Tensor, x: torch.Tensor,
-                    sh: torch.Tensor | None = None) -> torch.Tensor:
-        """y + the (gated) shared expert of x (sh: its output, when computed already)."""
-        sh = self.shared_expert(x) if sh is None else sh
+    def _add_shared(self, y: torch.Tensor, x: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
+        """y + the shared expert's output sh, gated by x where the layer has a gate."""
         w_gate = self._gate_row(x) if self.spec.shared_gate else None
         if w_gate is not None:
             from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton
@@ -208,7 +206,6 @@ class SparseMoE(nn.Module):
         if self.spec.shared_gate:
             sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
         return y + sh
-
 
 
 class SharedSide:
@@ -222,7 +219,7 @@ class SharedSide:
         self.moe, self.x = moe, x
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
-        return self.moe._add_shared(y, self.x)
+        return self.finish(y, self.prepare())
 
     def prepare(self) -> torch.Tensor:
         return self.moe.shared_expert(self.x)

@@ -14,9 +14,10 @@ longest query chunk (`ctx.max_seqlen_q`, or T when the caller did not say).
 Decode: one program per (sequence, kv head, split): the G query heads sharing a KV head are
 the rows of one tile, so K and V are read once per KV head. Where few (sequence, kv head) pairs
 would leave SMs idle, the sequence is split (split-K, down to one key block a split): each
-split stores its (acc, max, denominator) and counts itself in an arrival counter of its
-(sequence, kv head) (`arrive.py`); the last split to arrive merges them, so the merge needs no
-launch of its own (beyond MERGE_COUNTERS pairs, or on request, `_merge_kernel` does it).
+split stores its (acc, max, denominator); up to MERGE_MAX_SPLITS splits each counts itself in
+an arrival counter of its (sequence, kv head) (`arrive.py`) and the last to arrive merges them,
+with no launch of its own; with more splits (where a lone merging program measured slower) or
+beyond MERGE_COUNTERS pairs, `_merge_kernel` does it.
 With `rope` it also does the step's q/k norm, rotary and KV store (`rotary._qk_rope_kernel`'s
 work, which then needs no launch): each program ropes its query heads in registers, the split
 that holds the step's position ropes the key head and stores k' and v before reading its keys.
@@ -238,8 +239,8 @@ def _merge_kernel(part_ptr, out_ptr, q8_ptr, stride_ot, stride_oh, stride_q8, H:
                   D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
                   S_PAD: tl.constexpr, QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
     """One program per (sequence, query head): softmax-weighted sum of its splits (QUANT: also
-    quantized, as `_decode_kernel` stores it). The path where the splits' counters do not
-    fit MERGE_COUNTERS (or `decode(fused_merge=False)`)."""
+    quantized, as `_decode_kernel` stores it). The merge above MERGE_MAX_SPLITS splits, where
+    the splits' counters do not fit MERGE_COUNTERS, or with `decode(fused_merge=False)`."""
     wait(PDL)  # pdl.py: the kernel before has completed
     b, h = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -350,7 +351,8 @@ def num_splits(batch: int, n_kv: int, max_ctx: int, block_n: int) -> int:
     One sequence at a short context is latency, not bandwidth: at splits = 1 a program walks
     its blocks one after the other (page table, K, dot, V), 4 programs for Qwen3-30B's KV
     heads. Split down to a block each, the blocks run side by side in programs of their own,
-    and the last to arrive merges them (`_decode_kernel`)."""
+    then are merged (`decode`: by the last to arrive up to MERGE_MAX_SPLITS, else by
+    `_merge_kernel`)."""
     if batch * n_kv >= 128:
         return 1
     want = max(1, min(256 // (batch * n_kv), 16, max_ctx // block_n))

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.triton import interpreting
+from freetoken.kernels.triton.gemv_i8 import asm
 from freetoken.kernels.triton.handoff import interp_rounds, job_begin, job_post
 
 MAX_ROUTES = 64  # T * k of a call planned here (decode); more: the torch ops
@@ -181,5 +181,5 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
         RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
         HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
         ROUNDS_IDS=consts.get("ROUNDS_IDS", 0), ROUNDS_X=consts.get("ROUNDS_X", 0),
-        BLOCK=JOB_BLOCK, ASM=not interpreting(), num_warps=warps)
+        BLOCK=JOB_BLOCK, ASM=asm(), num_warps=warps)
     return out
