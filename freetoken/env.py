@@ -12,9 +12,14 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
 def _unless_off(name: str) -> bool:
-    """A switch that is on unless set to 0 / false / no / off."""
-    return os.environ.get(name, "").strip().lower() not in ("0", "false", "no", "off")
+    """A switch that is on unless set to 0 / false / no / off; unset or 1 / true / yes / on is
+    on, any other value an error (a typo must not silently keep the default)."""
+    return _choice(name, _OFF + _ON) not in _OFF
 
 
 def _choice(name: str, choices: tuple[str, ...]) -> str | None:

@@ -1,0 +1,32 @@
+"""The on/off switches of freetoken/env.py: on when unset or 1 / true / yes / on, off for 0 /
+false / no / off, and any other value refused with a message naming the variable (a typo
+must not leave the default on silently)."""
+
+from __future__ import annotations
+
+import pytest
+
+from freetoken import env
+
+SWITCHES = {
+    "FREETOKEN_CPU_MOE_HUGEPAGES": env.cpu_moe_hugepages,
+    "FREETOKEN_GPU_INT8_DOT": env.gpu_int8_dot,
+    "FREETOKEN_GPU_NORM_ROUTE": env.gpu_norm_route,
+    "FREETOKEN_GPU_ROPE_ATTN": env.gpu_rope_attn,
+    "FREETOKEN_GPU_DOWN_SUM": env.gpu_down_arrive_sum,
+    "FREETOKEN_GPU_SIDE_STREAM": env.gpu_side_stream,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHES))
+def test_on_off_switch(name, monkeypatch):
+    read = SWITCHES[name]
+    monkeypatch.delenv(name, raising=False)
+    assert read() is True
+    for value, on in (("1", True), ("yes", True), (" On ", True), ("0", False),
+                      ("false", False), ("OFF", False)):
+        monkeypatch.setenv(name, value)
+        assert read() is on, value
+    monkeypatch.setenv(name, "banana")
+    with pytest.raises(ValueError, match=f"{name}='banana' is not one of"):
+        read()
