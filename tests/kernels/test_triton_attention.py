@@ -180,14 +180,18 @@ def _decode(*args, **kw):
 
 def _merged_both(q, cache, table, lens, ref, splits, **kw):
     """The splits merged in the decode kernel and by the merge kernel, both against the
-    reference; under the interpreter the two are equal (the same sums in the same order),
-    compiled they may differ in the order of the splits' sum."""
+    reference, and against each other within fp32 rounding of the merge: the same terms,
+    whose sums may associate differently (compiled: the order of the splits' sum; under the
+    interpreter, numpy's reductions, whose SIMD association depends on the host's ISA: on an
+    AVX-512 machine 74 of 720 values of the 257-key case differ by one ulp). Each of the
+    `splits` partials enters the sum once, rounded with a relative error of at most 2^-24,
+    so the two differ by at most splits * 2^-23 of the largest output."""
     fused, _ = _decode(q, cache, table, lens, splits=splits, fused_merge=True, **kw)
     apart, _ = _decode(q, cache, table, lens, splits=splits, fused_merge=False, **kw)
     close_fp32(fused.cpu(), ref)
     close_fp32(apart.cpu(), ref)
-    if not CUDA:
-        assert torch.equal(fused, apart)
+    bound = (splits or 16) * 2.0 ** -23 * float(apart.abs().max())  # num_splits: <= 16
+    torch.testing.assert_close(fused, apart, rtol=0.0, atol=bound)
     return fused
 
 
