@@ -79,6 +79,12 @@ def gpu_rope_attn() -> bool:
     return _unless_off("FREETOKEN_GPU_ROPE_ATTN")
 
 
+def gpu_gdn_fused() -> bool:
+    """FREETOKEN_GPU_GDN_FUSED=0: a GDN layer's decode step runs as three launches (conv, delta
+    rule, gated norm) instead of one (`kernels/triton/gdn.py: _fused_kernel`)."""
+    return _unless_off("FREETOKEN_GPU_GDN_FUSED")
+
+
 def gpu_down_arrive_sum() -> bool:
     """FREETOKEN_GPU_DOWN_SUM=0: at decode sizes the fused MoE sums each token's routes in a
     launch of its own instead of in the down kernel's last-arriving program
@@ -91,6 +97,14 @@ def gpu_side_stream() -> bool:
     shared expert runs after the routed experts' device kernel on the compute stream instead
     of on a second stream beside the slot fills (`moe/expert_cache.py: ExpertCache._split`)."""
     return _unless_off("FREETOKEN_GPU_SIDE_STREAM")
+
+
+def gpu_receive_shared() -> bool:
+    """FREETOKEN_GPU_RECEIVE_SHARED=0: with the offload, cpu and hybrid backends on a GPU, where
+    a layer call receives the CPU's answer, the shared expert computed on its side stream is
+    added (with its gate) in a launch of its own before the receive instead of inside the
+    receive kernel (`kernels/triton/handoff.py: receive_add`; the same bits either way)."""
+    return _unless_off("FREETOKEN_GPU_RECEIVE_SHARED")
 
 
 def gpu_pdl() -> int:

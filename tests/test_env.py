@@ -13,8 +13,10 @@ SWITCHES = {
     "FREETOKEN_GPU_INT8_DOT": env.gpu_int8_dot,
     "FREETOKEN_GPU_NORM_ROUTE": env.gpu_norm_route,
     "FREETOKEN_GPU_ROPE_ATTN": env.gpu_rope_attn,
+    "FREETOKEN_GPU_GDN_FUSED": env.gpu_gdn_fused,
     "FREETOKEN_GPU_DOWN_SUM": env.gpu_down_arrive_sum,
     "FREETOKEN_GPU_SIDE_STREAM": env.gpu_side_stream,
+    "FREETOKEN_GPU_RECEIVE_SHARED": env.gpu_receive_shared,
 }
 
 

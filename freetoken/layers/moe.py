@@ -226,3 +226,16 @@ class SharedSide:
 
     def finish(self, y: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
         return self.moe._add_shared(y, self.x, sh)
+
+    def fold(self, sh: torch.Tensor) -> tuple | None:
+        """(sh, x, the gate's weight row [H], or None where the layer has no gate) for a kernel
+        that adds gate * sh to y in a launch of its own work (moe/handoff.py: the receive of
+        the CPU's answer), where one can: on CUDA, sh in x's shape and dtype with rows of unit
+        stride, a gate `_gate_row` takes (the kernel's arithmetic is `finish`'s). Else None."""
+        x = self.x
+        if not x.is_cuda or sh.shape != x.shape or sh.dtype != x.dtype or sh.stride(-1) != 1:
+            return None
+        if not self.moe.spec.shared_gate:
+            return sh, x, None
+        w = self.moe._gate_row(x)
+        return None if w is None else (sh, x, w)

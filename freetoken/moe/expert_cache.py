@@ -185,14 +185,17 @@ class ExpertCache:
                 self._fill(layer, fetched)
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
+        fold = None
         if terms is not None:  # the side stream's terms, joined before the wait
             torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            y = side.finish(y, terms)
+            fold = _fold(side, terms, ho)
+            if fold is None:
+                y = side.finish(y, terms)
         elif side is not None:  # before the wait: off the critical path when the CPU is
             y = side(y)
         if ho is not None:
             with record_function("moe.cpu"):
-                y = ho.receive(y)
+                y = ho.receive(y, fold)
         return y
 
     def _side_terms(self, side: Callable | None):
@@ -249,6 +252,16 @@ class ExpertCache:
     def counters(self) -> dict[str, int]:
         """Totals since load: hits, misses, fetched and cpu (distinct experts per layer call)."""
         return self.cache.read_counters()
+
+
+def _fold(side, terms, ho: Handoff | None) -> tuple | None:
+    """The side's terms as the receive kernel adds them to the device's partial sum in its
+    own launch (layers/moe.py: SharedSide.fold, the shared expert and its gate; one launch
+    fewer on the device path, the longer side of a layer at batch 1), else None: no receive,
+    a side it cannot fold, or FREETOKEN_GPU_RECEIVE_SHARED=0."""
+    if ho is None or not hasattr(side, "fold") or not env.gpu_receive_shared():
+        return None
+    return side.fold(terms)
 
 
 def _capturing() -> bool:

@@ -138,13 +138,15 @@ def test_graphs_give_the_eager_tokens(model):
 
 
 @needs_cuda
-@pytest.mark.parametrize("side_stream", ["1", "0"])
-def test_cache_backend_graphs_give_the_eager_tokens(side_stream, monkeypatch):
+@pytest.mark.parametrize("side_stream,receive_shared", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, monkeypatch):
     """The hybrid backend on a model with a shared expert (the 35B shape, 4 layers, float32):
     graphed decode steps (the CPU hand-off, slot fills and, by default, the shared expert on a
-    second stream beside them: FREETOKEN_GPU_SIDE_STREAM) give the eager steps' tokens, and
-    the shared expert's stream changes no token (the same kernels on the same inputs)."""
+    second stream beside them: FREETOKEN_GPU_SIDE_STREAM, added with its gate inside the
+    receive kernel: FREETOKEN_GPU_RECEIVE_SHARED) give the eager steps' tokens, and the shared
+    expert's stream changes no token (the same kernels on the same inputs)."""
     monkeypatch.setenv("FREETOKEN_GPU_SIDE_STREAM", side_stream)
+    monkeypatch.setenv("FREETOKEN_GPU_RECEIVE_SHARED", receive_shared)
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
     kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, moe_backend="hybrid",
               moe_cache_rate=0.25, max_running_requests=4)

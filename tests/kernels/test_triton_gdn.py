@@ -10,6 +10,9 @@ Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1). To
   the norm, the norm's output, y), each 2^-9 relative (2^-8 under the interpreter, which
   truncates): 4 * 2^-8 |ref| + 1e-3;
 - slots the step does not name are left bit for bit.
+The one-launch step (`_fused_kernel`) against the three launches: bit for bit under the
+interpreter (the same helpers in the same order); compiled, the two may round apart (FMA
+contraction, reduction layouts), so there within 1e-5 (2^-7 for bf16 outputs).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import triton_cases as cases  # noqa: E402
 
 from freetoken.kernels import xq  # noqa: E402
+from freetoken.kernels.triton import gdn as kernels  # noqa: E402
+from freetoken.kernels.triton.arrive import counters  # noqa: E402
 from freetoken.kernels.triton.gdn import gdn_decode  # noqa: E402
 from freetoken.layers.gdn import GDNSpec, l2norm, recurrent_step  # noqa: E402
 
@@ -78,10 +83,11 @@ def _case(spec: GDNSpec, B: int, num_slots: int, seed: int, dtype: torch.dtype):
     return proj, conv_w, neg_a, dt_bias, norm_w, conv, ssm
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_positions", [True, False])
-def test_decode_step_matches_float64(tiled: bool, dtype: torch.dtype,
+def test_decode_step_matches_float64(fused: bool, tiled: bool, dtype: torch.dtype,
                                      with_positions: bool) -> None:
     spec = GDNSpec(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=64,
                    head_v_dim=64, conv_kernel=4, norm_eps=1e-6, v_tiled=tiled)
@@ -93,7 +99,7 @@ def test_decode_step_matches_float64(tiled: bool, dtype: torch.dtype,
     dconv, dssm = conv.to(DEV), ssm.to(DEV)
     y = gdn_decode(proj.to(DEV), spec, conv_w.to(DEV), neg_a.to(DEV), dt_bias.to(DEV),
                    norm_w.to(DEV), dconv, dssm, slots.to(DEV),
-                   None if positions is None else positions.to(DEV))
+                   None if positions is None else positions.to(DEV), fused=fused)
     assert y.dtype == dtype and y.shape == (3, spec.value_dim)
 
     def close(got, ref, rel, abs_):
@@ -110,7 +116,6 @@ def test_decode_step_matches_float64(tiled: bool, dtype: torch.dtype,
     untouched = [1, 4]
     assert torch.equal(dconv.cpu()[untouched], conv[untouched])
     assert torch.equal(dssm.cpu()[untouched], ssm[untouched])
-
 
 
 def test_decode_step_codes_for_out_proj() -> None:
@@ -130,6 +135,100 @@ def test_decode_step_codes_for_out_proj() -> None:
     assert q is not None and xq.attached(ys[1]) is None
     cases.check_codes(q, ys[0])
     assert torch.equal(ys[0].cpu(), ys[1].cpu())
+
+
+def _both_paths(spec: GDNSpec, case, slots, positions, quantize: bool = True):
+    """The step through the three launches and through the fused one, on copies of the
+    same states: {fused: (y, codes, conv, ssm)}, and the fused path's counters are zero."""
+    proj, conv_w, neg_a, dt_bias, norm_w, conv, ssm = (t.to(DEV) for t in case)
+    out = {}
+    for fused in (False, True):
+        dconv, dssm = conv.clone(), ssm.clone()
+        y = gdn_decode(proj, spec, conv_w, neg_a, dt_bias, norm_w, dconv, dssm, slots.to(DEV),
+                       None if positions is None else positions.to(DEV), quantize=quantize,
+                       fused=fused)
+        out[fused] = (y, xq.attached(y), dconv, dssm)
+    for use in ("gdn_qk", "gdn_norm"):  # reset by the last arrivers: a graph replay starts at 0
+        assert not counters(use, kernels.FUSED_COUNTERS, proj.device).any(), use
+    return out
+
+
+def _check_same(out, dtype: torch.dtype, quantize: bool = True) -> None:
+    """The fused path's y, codes and states are the three launches' (see the docstring)."""
+    (y3, q3, c3, s3), (y1, q1, c1, s1) = out[False], out[True]
+    assert (q1 is not None) == quantize and (q3 is not None) == quantize
+    if DEV == "cpu":
+        for name, a, b in (("y", y1, y3), ("conv", c1, c3), ("ssm", s1, s3)) + (
+                (("codes", q1, q3),) if quantize else ()):
+            assert torch.equal(a, b), name
+        return
+    rel = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(y1.float(), y3.float(), rtol=rel, atol=rel)
+    torch.testing.assert_close(c1, c3, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s1, s3, rtol=1e-5, atol=1e-5)
+    if quantize:
+        cases.check_codes(q1, y1)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("with_positions", [True, False])
+def test_fused_step_same_as_three_launches(tiled: bool, dtype: torch.dtype, batch: int,
+                                           with_positions: bool) -> None:
+    """Two value heads per key head (R = 2) of two value blocks each: the q/k conv state
+    of a key head is read by four programs and shifted by the last (a first arriver's
+    shift would feed the others the shifted state); one row starts over at position 0."""
+    spec = GDNSpec(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=64,
+                   head_v_dim=64, conv_kernel=4, norm_eps=1e-6, v_tiled=tiled)
+    case = _case(spec, batch, 5, 31 + 2 * batch + tiled, dtype)
+    slots = torch.tensor([2, 0, 3][:batch])
+    positions = torch.tensor([5, 0, 7] if batch == 3 else [0]) if with_positions else None
+    out = _both_paths(spec, case, slots, positions)
+    _check_same(out, dtype)
+    untouched = [s for s in range(5) if s not in slots.tolist()]
+    for fused in (False, True):
+        assert torch.equal(out[fused][2].cpu()[untouched], case[5][untouched])
+        assert torch.equal(out[fused][3].cpu()[untouched], case[6][untouched])
+
+
+def test_fused_step_twice_on_the_states_it_left() -> None:
+    """Four value heads on one key head (R = 4) of four value blocks, dk != dv, no codes: two
+    steps in a row, each on the states the paths left (so a counter not reset to zero by the
+    first call would leave the second's q/k state unshifted and its heads unnormed)."""
+    spec = GDNSpec(hidden_size=64, num_k_heads=1, num_v_heads=4, head_k_dim=32,
+                   head_v_dim=128, conv_kernel=4, norm_eps=1e-6)
+    slots = torch.tensor([3, 1])
+    case = _case(spec, 2, 4, 41, torch.bfloat16)
+    for step in range(2):
+        out = _both_paths(spec, case, slots, torch.tensor([step, 4 + step]), quantize=False)
+        _check_same(out, torch.bfloat16, quantize=False)
+        proj = _case(spec, 2, 4, 42 + step, torch.bfloat16)[0]
+        case = (proj, *case[1:5], out[True][2].cpu(), out[True][3].cpu())
+
+
+def test_fused_only_within_the_counters(monkeypatch) -> None:
+    """`FREETOKEN_GPU_GDN_FUSED=0` and batches of more (sequence, value head) pairs than
+    FUSED_COUNTERS take the three launches; by default the one."""
+    spec = GDNSpec(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=16,
+                   head_v_dim=16, conv_kernel=4)
+    args = [t.to(DEV) for t in _case(spec, 3, 3, 51, torch.float32)]
+
+    class Refused:
+        def __getitem__(self, grid):
+            raise AssertionError("the fused kernel was launched")
+
+    def step():
+        gdn_decode(args[0], spec, *args[1:], torch.arange(3, device=DEV), None)
+
+    monkeypatch.setattr(kernels, "_fused_kernel", Refused())
+    with pytest.raises(AssertionError, match="fused kernel"):
+        step()
+    monkeypatch.setenv("FREETOKEN_GPU_GDN_FUSED", "0")
+    step()
+    monkeypatch.delenv("FREETOKEN_GPU_GDN_FUSED")
+    monkeypatch.setattr(kernels, "FUSED_COUNTERS", 3 * 4 - 1)
+    step()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(),
@@ -160,3 +259,7 @@ def test_engine_greedy_same_through_the_kernels(arch: str, monkeypatch) -> None:
         out[triton_path] = [r.token_ids for r in llm.generate(tq.prompts(), greedy)]
         del llm
     assert out[True] == out[False]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -249,6 +249,33 @@ def test_backend_matches_fused_cuda(case, backend):
     test_backend_matches_fused(case, backend, Q, 4, device="cuda")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_expert_added_in_the_receive_changes_no_bit(monkeypatch):
+    """qwen3.5-moe's gated shared expert on the hybrid backend on a GPU, float32: added inside
+    the kernel that receives the CPU's answer (FREETOKEN_GPU_RECEIVE_SHARED, the default: every
+    receive takes it, with the gate's row) or in a launch of its own before it (=0), the same
+    logits bit for bit, prefill (18 tokens) and decode (4 a step)."""
+    from freetoken.kernels.triton import handoff
+
+    real, folds = handoff.receive_add, []
+
+    def spy(*args, **kw):
+        folds.append(args[5] if len(args) > 5 else kw.get("shared"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(handoff, "receive_add", spy)
+    logits = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("FREETOKEN_GPU_RECEIVE_SHARED", on)
+        folds.clear()
+        _, logits[on], c, _, _ = run_backend("qwen3_5_moe-gguf", "hybrid", Q, 4, device="cuda")
+        assert c["cpu"] > 0 and folds
+        assert all((f is not None and f[2] is not None) if on == "1" else f is None
+                   for f in folds)
+    assert all(torch.equal(a, b) for a, b in zip(logits["1"], logits["0"]))
+
+
 @pytest.mark.parametrize("backend", ["cpu", "hybrid"])
 def test_prefill_fetches_every_miss(backend):
     """A step of PREFILL_TOKENS tokens or more runs every expert on the device, whatever the

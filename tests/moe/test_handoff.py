@@ -9,12 +9,22 @@ contribution, O(1) of that scale.
 
 On the CPU the producer is Python (`post` / `wait`); on a GPU it is the Triton kernels, run
 here eagerly and replayed from a CUDA graph with new inputs each time.
+
+The receive kernels alone (`kernels/triton/handoff.receive_add`) run on any machine (Triton's
+interpreter without CUDA) on a buffer holding a made-up answer: the shared expert added inside
+the receive gives the bits of its own launch before it (`gated_add_triton`, or y + sh, then
+the plain receive), with and without a gate.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (first import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from freetoken.formats.qweight import QuantWeight
 from freetoken.moe.banks import ExpertBank
@@ -187,3 +197,76 @@ def test_a_job_posted_as_the_worker_starts_is_answered(banks):
         ho.send(0, x, ids, w, emap, "silu")
         _close(ho.receive(torch.zeros(2, H)), want)
         ho.close()
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _answered(T: int, hidden: int, seed: int, job: int = 7, done: int | None = None):
+    """A hand-off buffer (pinned on a GPU) whose `done` word answers job `job` (or holds
+    `done`), its `out` a made-up CPU answer [T, hidden]; the device's job counter and waits."""
+    from freetoken.moe.handoff import layout
+
+    off = layout(MAX_T, K, E, hidden)
+    buf = torch.zeros(off["size"], dtype=torch.uint8, pin_memory=DEV == "cuda")
+    words = buf.view(torch.int32)
+    words[off["done"] // 4] = job if done is None else done
+    o = off["out"] // 4
+    g = torch.Generator().manual_seed(seed)
+    buf.view(torch.float32)[o:o + T * hidden] = torch.randn(T * hidden, generator=g)
+    seq = torch.tensor([job], dtype=torch.int32, device=DEV)
+    return buf, off, seq, torch.zeros(2, dtype=torch.int64, device=DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("hidden", [160, 1100])  # one block of 256, two of 1024: both masked
+@pytest.mark.parametrize("gated", [True, False])
+def test_receive_adds_the_shared_expert_with_the_bits_of_two_launches(gated, hidden, T, dtype):
+    """y + gate * sh + the CPU's answer in one launch equals, bit for bit, the shared expert's
+    launch (gated_add_triton; ungated: y + sh rounded as the kernel rounds, which on a GPU is
+    torch's y + sh) followed by the plain receive; each receive counts one call and, the
+    answer being there, no wait."""
+    from freetoken.kernels.triton.glu import gated_add_triton
+    from freetoken.kernels.triton.handoff import receive_add
+
+    g = torch.Generator().manual_seed(hidden + T)
+    y, sh, x = ((torch.randn(T, hidden, generator=g) * 2).to(dtype).to(DEV) for _ in range(3))
+    w = (torch.randn(hidden, generator=g) * 0.1).to(dtype).to(DEV) if gated else None
+    buf, off, seq, waits = _answered(T, hidden, 5)
+    got = receive_add(y, seq, buf, off, waits, (sh, x, w))
+    if gated:
+        first = gated_add_triton(y, sh, x, w)
+    else:  # y + sh narrowed by Triton: the plain receive of 0 + (y + sh) in fp32
+        o = off["out"] // 4
+        answer = buf.view(torch.float32)[o:o + T * hidden].clone()
+        buf.view(torch.float32)[o:o + T * hidden] = (y.float() + sh.float()).reshape(-1).cpu()
+        first = receive_add(torch.zeros_like(y), seq, buf, off, waits)
+        buf.view(torch.float32)[o:o + T * hidden] = answer
+        if DEV == "cuda":
+            assert torch.equal(first, y + sh)
+    want = receive_add(first, seq, buf, off, waits)
+    assert got.dtype == dtype and got.shape == (T, hidden)
+    assert torch.equal(got, want)
+    assert waits.tolist() == [0, 3 if not gated else 2]
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_late_answer_times_out_and_sets_the_timeout_word(gated, monkeypatch):
+    """`done` never reaches the job: every program gives up after TIMEOUT_S (under the
+    interpreter a poll counts as a nanosecond), the timeout word is set for the host's check,
+    and the waits count the one call and the time polled."""
+    from freetoken.kernels.triton import handoff
+
+    monkeypatch.setattr(handoff, "TIMEOUT_S", 20e-9 if DEV == "cpu" else 1e-3)
+    T, hidden = 2, 160
+    y, sh, x = (torch.randn(T, hidden).to(DEV) for _ in range(3))
+    w = torch.randn(hidden).to(DEV) if gated else None
+    for shared in ((sh, x, w), None):
+        buf, off, seq, waits = _answered(T, hidden, 1, job=7, done=6)
+        handoff.receive_add(y, seq, buf, off, waits, shared)
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        assert int(buf.view(torch.int32)[off["timeout"] // 4]) == 1
+        ns, calls = waits.tolist()
+        assert calls == 1 and ns >= int(handoff.TIMEOUT_S * 1e9)

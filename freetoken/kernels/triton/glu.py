@@ -35,17 +35,34 @@ def _glu_kernel(gu_ptr, a_ptr, inter, stride_gu, stride_a, ACT: tl.constexpr,
     tl.store(a_ptr + t * stride_a + n, glu(g, u, ACT).to(a_ptr.dtype.element_ty), mask=ok)
 
 
+def gate_block(hidden: int) -> int:
+    """`sigmoid_dot`'s chunk for a row of `hidden` values (callers that must agree bit for bit
+    take this one, with num_warps=GATE_WARPS: the reduction's order follows both)."""
+    return min(1024, triton.next_power_of_2(hidden))
+
+
+GATE_WARPS = 4
+
+
 @triton.jit
-def _gated_add_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, stride_y, stride_sh, stride_x,
-                      stride_o, H: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def sigmoid_dot(x_row, w_ptr, H: tl.constexpr, BLOCK: tl.constexpr):
+    """sigmoid(x . w) in fp32 over the H values (unit stride) at x_row and w_ptr, BLOCK at a
+    time: the shared expert's gate of one token, in `_gated_add_kernel` and in the hand-off's
+    receive (kernels/triton/handoff.py), which compute the same bits with it."""
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK):
         h = h0 + tl.arange(0, BLOCK)
         ok = h < H
-        acc += tl.load(x_ptr + t * stride_x + h, mask=ok, other=0.0).to(tl.float32) * \
+        acc += tl.load(x_row + h, mask=ok, other=0.0).to(tl.float32) * \
             tl.load(w_ptr + h, mask=ok, other=0.0).to(tl.float32)
-    gate = tl.sigmoid(tl.sum(acc, axis=0))
+    return tl.sigmoid(tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _gated_add_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, stride_y, stride_sh, stride_x,
+                      stride_o, H: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    gate = sigmoid_dot(x_ptr + t * stride_x, w_ptr, H, BLOCK)
     for h0 in range(0, H, BLOCK):
         h = h0 + tl.arange(0, BLOCK)
         ok = h < H
@@ -72,9 +89,8 @@ def gated_add_triton(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
     T, H = y.shape
     out = torch.empty_like(y)
     if T:
-        block = min(1024, triton.next_power_of_2(H))
         _gated_add_kernel[(T,)](y, sh, x, w, out, y.stride(0), sh.stride(0), x.stride(0),
-                                out.stride(0), H=H, BLOCK=block, num_warps=4)
+                                out.stride(0), H=H, BLOCK=gate_block(H), num_warps=GATE_WARPS)
     return out
 
 

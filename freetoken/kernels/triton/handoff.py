@@ -11,7 +11,10 @@ both are mapped at the same address on the device, which Triton takes as a point
   worker reads only the map's signs (-1: the CPU computes the expert's routes).
 - `receive_add`: every program polls `done` until it equals the job number (a bounded wait:
   after TIMEOUT_S it gives up and sets the buffer's timeout word, which the host turns into an
-  error after the step, rather than hang the GPU), fences, then y + out in fp32.
+  error after the step, rather than hang the GPU), fences, then y + out in fp32. With the
+  layer's shared expert (sh, and its gate's x and weight row) it adds y + gate * sh too, in
+  the same launch: a grid of (token, block of H), each program computing its token's gate
+  and that part of the sum before it polls, with the two launches' bits (see `receive_add`).
 - `fill`: copies fetched experts (the plan's (expert, slot) list, -1 = nothing) from the
   host bank's parts into their slots: a grid over (fetch, part, chunk) of PCIe reads; each
   part's host address, slot offset and size come from a small table on the device.
@@ -24,6 +27,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.triton import interpreting
+from freetoken.kernels.triton.glu import GATE_WARPS, gate_block, sigmoid_dot
 
 TIMEOUT_S = 30.0  # a hand-off answered later than this is an error (the worker died or hung)
 FILL_CHUNK = 4096  # 4-byte words one fill program copies
@@ -108,28 +112,73 @@ def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer,
 
 
 @triton.jit
-def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_out, N,
-                    timeout_ns, waits_ptr, BLOCK: tl.constexpr):
-    """waits_ptr: int64 [2], program 0 adds the nanoseconds it polled and 1 (the device's wait
-    for the CPU's answer, which profile_decode_step.py reports)."""
+def _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr, first,
+                  ASM: tl.constexpr):
+    """Poll `done` until it equals the job number, or give up after timeout_ns and set the
+    timeout word; where `first` (one program of the launch), add the nanoseconds polled and 1
+    to waits_ptr (int64 [2]: the device's wait for the CPU's answer, which
+    profile_decode_step.py reports). Returns `done` after a system-scope fence: the answer's
+    loads take a data dependency on it. Not ASM (Triton's interpreter, which has no clock):
+    a poll counts as a nanosecond."""
     n = tl.load(seq_ptr)
-    t0 = _now_ns(n)
+    if ASM:
+        t0 = _now_ns(n)
+        waited = t0 - t0
+    else:
+        waited = n.to(tl.int64) * 0
     d = tl.load(hi32 + o_done, volatile=True)
-    waited = t0 - t0
     while (d != n) & (waited < timeout_ns):
         d = tl.load(hi32 + o_done, volatile=True)
-        waited = _now_ns(d) - t0
+        if ASM:
+            waited = _now_ns(d) - t0
+        else:
+            waited += 1
     if d != n:
         tl.store(hi32 + o_timeout, 1)
-    if tl.program_id(0) == 0:
+    if first:
         tl.atomic_add(waits_ptr, waited)
         tl.atomic_add(waits_ptr + 1, 1)
-    d = _fence_sys(d)
+    return _fence_sys(d, ASM)
+
+
+@triton.jit
+def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_out, N,
+                    timeout_ns, waits_ptr, BLOCK: tl.constexpr, ASM: tl.constexpr = True):
+    """out = y + the CPU's out over the flattened [T, H], BLOCK values a program."""
+    d = _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr,
+                      tl.program_id(0) == 0, ASM)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     c = tl.load(hf32 + o_out + offs + (d - d), mask=m, other=0.0, cache_modifier=".cv")
     y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, (y + c).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _receive_shared_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, seq_ptr, hi32, hf32, o_done,
+                           o_timeout, o_out, stride_sh, stride_x, timeout_ns, waits_ptr,
+                           H: tl.constexpr, BLOCK: tl.constexpr, GATE: tl.constexpr,
+                           ASM: tl.constexpr = True):
+    """Program (t, j): values [j BLOCK, (j + 1) BLOCK) of token t's row, out = y + gate * sh,
+    rounded to out's dtype as `_gated_add_kernel` stores it, + the CPU's out in fp32 (the two
+    launches' bits); gate = `sigmoid_dot` of the row of x and w (each program of the token
+    computes it again: H values), else 1. y and out [T, H] contiguous. The shared expert's
+    part is computed before the wait, which it may overlap."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = h < H
+    dt = out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + t * H + h, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sh_ptr + t * stride_sh + h, mask=m, other=0.0).to(tl.float32)
+    if GATE:
+        ys = y + sigmoid_dot(x_ptr + t * stride_x, w_ptr, H, BLOCK) * s
+    else:
+        ys = y + s
+    ys = ys.to(dt).to(tl.float32)
+    d = _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr,
+                      (tl.program_id(0) == 0) & (tl.program_id(1) == 0), ASM)
+    c = tl.load(hf32 + o_out + t * H + h + (d - d), mask=m, other=0.0, cache_modifier=".cv")
+    tl.store(out_ptr + t * H + h, (ys + c).to(dt), mask=m)
 
 
 @triton.jit
@@ -193,17 +242,50 @@ def send(job: tuple[tuple, dict], emap: torch.Tensor) -> None:
 
 
 def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict,
-                waits: torch.Tensor) -> torch.Tensor:
-    """y + the CPU's out (fp32 sum, y's dtype), after waiting for the worker's answer; the
-    wait's nanoseconds and one call are added to waits (int64 [2] on the device)."""
+                waits: torch.Tensor, shared: tuple | None = None) -> torch.Tensor:
+    """y [T, H] + the CPU's out (fp32 sum, y's dtype), after waiting for the worker's answer;
+    the wait's nanoseconds and one call are added to waits (int64 [2] on the device).
+
+    shared: (sh, x, w_gate) of the layer's shared expert, added in the same launch (one fewer
+    than `glu.gated_add_triton` before it): sh, x [T, H] with unit stride in H, sh in y's
+    dtype; w_gate [H] the gate's weight row, gate = sigmoid(x . w_gate) per token in fp32
+    (`glu.sigmoid_dot`), or None for an ungated expert (gate = 1, x unread). The arithmetic
+    of the two launches, bit for bit: y + gate * sh in fp32 rounded to y's dtype (as
+    `_gated_add_kernel` stores it, or torch's y + sh), then + out in fp32, rounded again."""
+    y = y.contiguous()
     out = torch.empty_like(y)
-    N = y.numel()
-    BLOCK = 1024
-    _receive_kernel[(triton.cdiv(N, BLOCK),)](
-        y.contiguous(), out, seq, buf.view(torch.int32), buf.view(torch.float32),
-        off["done"] // 4, off["timeout"] // 4, off["out"] // 4, N, int(TIMEOUT_S * 1e9),
-        waits, BLOCK=BLOCK, num_warps=4)
+    wait = (seq, buf.view(torch.int32), buf.view(torch.float32), off["done"] // 4,
+            off["timeout"] // 4, off["out"] // 4)
+    timeout_ns = int(TIMEOUT_S * 1e9)
+    if shared is None:
+        N = y.numel()
+        BLOCK = 1024
+        _receive_kernel[(triton.cdiv(N, BLOCK),)](
+            y, out, *wait, N, timeout_ns, waits, BLOCK=BLOCK, ASM=not interpreting(),
+            num_warps=4)
+        return out
+    sh, x, w = shared
+    _check_shared(y, sh, x, w)
+    T, H = y.shape
+    block = gate_block(H)
+    _receive_shared_kernel[(T, triton.cdiv(H, block))](
+        y, sh, x, w if w is not None else y, out, *wait, sh.stride(0),
+        x.stride(0), timeout_ns, waits, H=H, BLOCK=block, GATE=w is not None,
+        ASM=not interpreting(), num_warps=GATE_WARPS)
     return out
+
+
+def _check_shared(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
+                  w: torch.Tensor | None) -> None:
+    T, H = y.shape
+    if sh.shape != y.shape or sh.dtype != y.dtype or sh.stride(-1) != 1:
+        raise ValueError(f"receive_add: the shared expert's output {list(sh.shape)} "
+                         f"{sh.dtype} (last stride {sh.stride(-1)}) is not y's {[T, H]} "
+                         f"{y.dtype} with unit stride")
+    if w is not None and (x.shape != y.shape or x.stride(-1) != 1 or w.numel() != H
+                          or not w.is_contiguous()):
+        raise ValueError(f"receive_add: the gate's x {list(x.shape)} (last stride "
+                         f"{x.stride(-1)}) and row {list(w.shape)} do not fit y {[T, H]}")
 
 
 def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> tuple[torch.Tensor, bool]:
