@@ -185,34 +185,82 @@ inline void prefetch_head_l2(const Bank& w, int64_t e, int64_t r0, int64_t nrows
   if (p.far) prefetch_target<true>(c, s, p.far, nc, ns, p);
 }
 
+// The row prefetch of the GGUF dots: before row r, row r + pf into L1 and row r + far into
+// L2 (`pf` / `far` rows from FREETOKEN_CPU_MOE_PREFETCH / _PREFETCH_L2 bytes, 0 = off), into
+// the rows read next (`next`, by bytes: its rows may be longer) and not past them.
+class RowAhead {
+ public:
+  RowAhead(const Bank& w, int64_t e, int64_t r0, int64_t nrows, const ReadNext& next)
+      : w_(w), next_(next), e_(e), rb_(w.row_bytes),
+        pf_(prefetch_bytes() ? std::max<int64_t>(1, prefetch_bytes() / rb_) : 0),
+        far_(prefetch_l2_bytes() ? std::max<int64_t>(pf_ + 1, prefetch_l2_bytes() / rb_) : 0),
+        end_(std::min(w.N, r0 + nrows + next.rows)), lines_(static_cast<int>((rb_ + 63) / 64)) {}
+  [[gnu::always_inline]] void operator()(int64_t r) const {
+    if (const uint8_t* p = pf_ ? at(r + pf_) : nullptr) prefetch_lines(p, lines_);
+    if (const uint8_t* p = far_ ? at(r + far_) : nullptr) prefetch_lines_l2(p, lines_);
+  }
+  // What operator()(r) prefetches, for a kernel that spreads it over the row: the L1 and
+  // the L2 target (null: none) and the lines of each.
+  const uint8_t* l1_target(int64_t r) const { return pf_ ? at(r + pf_) : nullptr; }
+  const uint8_t* l2_target(int64_t r) const { return far_ ? at(r + far_) : nullptr; }
+  int lines() const { return lines_; }
+
+ private:
+  [[gnu::always_inline]] const uint8_t* at(int64_t r) const {
+    if (r < end_) return w_.row(e_, r);
+    if (!next_.w) return nullptr;
+    const int64_t off = (r - end_) * rb_;
+    if (off >= next_.nrows * next_.w->row_bytes) return nullptr;
+    return next_.w->row(next_.e, next_.r0) + off;
+  }
+  const Bank& w_;
+  const ReadNext& next_;
+  int64_t e_, rb_, pf_, far_, end_;
+  int lines_;
+};
+
+// RowAhead's prefetch of R rows, spread over a kernel's `steps` steps through them (the rows'
+// super-blocks): step i requests lines [i L / steps, (i + 1) L / steps) of each target. Issued
+// all at once before the rows, the 2 x 18 lines a row (Q4_K, K = 2048) filled the L1 miss
+// buffers in bursts and cost the 4-row Q4_K dot 18% of its speed in L2.
+template <int R>
+struct SpreadPrefetch {
+  const uint8_t* l1[R];
+  const uint8_t* l2[R];
+  int lines;
+  SpreadPrefetch(const RowAhead& a, int64_t r) : lines(a.lines()) {
+    for (int i = 0; i < R; ++i) l1[i] = a.l1_target(r + i), l2[i] = a.l2_target(r + i);
+  }
+  [[gnu::always_inline]] void step(int64_t i, int64_t steps) const {
+    const int a = static_cast<int>(i * lines / steps), n = static_cast<int>((i + 1) * lines / steps) - a;
+    for (int j = 0; j < R; ++j) {
+      if (l1[j]) prefetch_lines(l1[j] + 64 * a, n);
+      if (l2[j]) prefetch_lines_l2(l2[j] + 64 * a, n);
+    }
+  }
+};
+
 // A DotFn from a one-row kernel: each row against the tokens in groups of at most 4 (a row is
 // read once per group; later groups find it in L1). Row::run<NT>(w, e, r, acts, res, os) writes
-// res[t * os] for t < NT. Before each row it prefetches the row `pf` bytes ahead into L1 and
-// the one `far` bytes ahead into L2, as the NVFP4 dots do (into the rows read next, `next`, and
-// not past them; block scales inside the rows, as in the GGUF formats, come along).
-template <class Row>
+// res[t * os] for t < NT. With R > 1, a single token takes R rows at a time through
+// Row::rows1<R>(w, e, r, act, res, pf) (res[i] for row r + i; its arithmetic per row the same
+// as run<1>'s, so a row's bits do not depend on how rows are grouped; pf: the rows' prefetch,
+// spread over its steps), the rest one at a time.
+// Each row is prefetched as RowAhead says (block scales inside the rows, as in the GGUF
+// formats, come along).
+template <class Row, int R = 1>
 void dot_rows_by_token_groups(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                               const uint8_t* const* acts, int ntok, float* out, int64_t os,
                               const ReadNext& next) {
-  const int64_t rb = w.row_bytes;
-  const int64_t pf = prefetch_bytes() ? std::max<int64_t>(1, prefetch_bytes() / rb) : 0;
-  const int64_t far = prefetch_l2_bytes() ? std::max<int64_t>(pf + 1, prefetch_l2_bytes() / rb) : 0;
-  const int64_t end = std::min(w.N, r0 + nrows + next.rows);
-  const int lines = static_cast<int>((rb + 63) / 64);
-  // Row `r + d` of this run, or its place in the next one (by bytes: its rows may be longer).
-  auto ahead = [&](int64_t r, int64_t d, bool l2) {
-    if (r + d < end) {
-      l2 ? prefetch_lines_l2(w.row(e, r + d), lines) : prefetch_lines(w.row(e, r + d), lines);
-    } else if (next.w) {
-      const int64_t off = (r + d - end) * rb, nrb = next.w->row_bytes;
-      if (off >= next.nrows * nrb) return;
-      const uint8_t* p = next.w->row(next.e, next.r0) + off;
-      l2 ? prefetch_lines_l2(p, lines) : prefetch_lines(p, lines);
-    }
-  };
-  for (int64_t r = r0; r < r0 + nrows; ++r) {
-    if (pf) ahead(r, pf, false);
-    if (far) ahead(r, far, true);
+  const RowAhead ahead(w, e, r0, nrows, next);
+  int64_t r = r0;
+  if constexpr (R > 1) {
+    if (ntok == 1)
+      for (; r + R <= r0 + nrows; r += R)
+        Row::template rows1<R>(w, e, r, acts[0], out + (r - r0), SpreadPrefetch<R>(ahead, r));
+  }
+  for (; r < r0 + nrows; ++r) {
+    ahead(r);
     float* o = out + (r - r0);
     int t = 0;
     for (; t + 4 <= ntok; t += 4) Row::template run<4>(w, e, r, acts + t, o + t * os, os);

@@ -117,6 +117,24 @@ def test_format_dot_vs_float64(fmt: str, tier: str):
 
 
 @pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+def test_gguf_dot_token_alone_same_bits(fmt: str, tier: str):
+    """A token alone (one token: the kernels that take several rows at a time, Q4_K's 4 rows
+    on avx512_vnni) gets the same bits as in a call of three tokens (one row at a time), at row
+    counts that leave 1-3 rows after the groups, on one and two threads (other row splits)."""
+    for n, K in ((302, 2048), (13, 768)):
+        gen = torch.Generator().manual_seed(n + K)
+        w, _ = make_gguf(Q[fmt], gen, K, n)
+        x = torch.randn(3, K, generator=gen)
+        together = CpuMoeExecutor(1, isa=tier).expert_matmul(w, 1, x)
+        for threads in (1, 2):
+            ex = CpuMoeExecutor(threads, isa=tier)
+            for t in range(3):
+                alone = ex.expert_matmul(w, 1, x[t:t + 1])[0]
+                assert torch.equal(alone, together[t]), f"{fmt} {tier} {n}x{K} token {t}"
+
+
+@pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("K", [32, 736, 2048])
 def test_q8_32_activation_quant_matches_the_rule(tier: str, K: int):
     """The GGUF formats' int8 activations (Q8_32: int8 q[K], fp32 d[K/32], int32 sum[K/32]) on
