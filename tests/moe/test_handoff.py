@@ -202,6 +202,11 @@ def test_a_job_posted_as_the_worker_starts_is_answered(banks):
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def _answered(T: int, hidden: int, seed: int, job: int = 7, done: int | None = None):
     """A hand-off buffer (pinned on a GPU) whose `done` word answers job `job` (or holds
     `done`), its `out` a made-up CPU answer [T, hidden]; the device's job counter and waits."""
@@ -238,10 +243,14 @@ def test_receive_adds_the_shared_expert_with_the_bits_of_two_launches(gated, hid
     if gated:
         first = gated_add_triton(y, sh, x, w)
     else:  # y + sh narrowed by Triton: the plain receive of 0 + (y + sh) in fp32
+        # the host rewrites the pinned buffer only after the kernels that read it have run
+        # (launches are asynchronous on a GPU)
         o = off["out"] // 4
         answer = buf.view(torch.float32)[o:o + T * hidden].clone()
+        _sync()
         buf.view(torch.float32)[o:o + T * hidden] = (y.float() + sh.float()).reshape(-1).cpu()
         first = receive_add(torch.zeros_like(y), seq, buf, off, waits)
+        _sync()
         buf.view(torch.float32)[o:o + T * hidden] = answer
         if DEV == "cuda":
             assert torch.equal(first, y + sh)
