@@ -196,8 +196,8 @@ class RowAhead {
         far_(prefetch_l2_bytes() ? std::max<int64_t>(pf_ + 1, prefetch_l2_bytes() / rb_) : 0),
         end_(std::min(w.N, r0 + nrows + next.rows)), lines_(static_cast<int>((rb_ + 63) / 64)) {}
   [[gnu::always_inline]] void operator()(int64_t r) const {
-    if (const uint8_t* p = pf_ ? at(r + pf_) : nullptr) prefetch_lines(p, lines_);
-    if (const uint8_t* p = far_ ? at(r + far_) : nullptr) prefetch_lines_l2(p, lines_);
+    if (const uint8_t* p = l1_target(r)) prefetch_lines(p, lines_);
+    if (const uint8_t* p = l2_target(r)) prefetch_lines_l2(p, lines_);
   }
   // What operator()(r) prefetches, for a kernel that spreads it over the row: the L1 and
   // the L2 target (null: none) and the lines of each.
