@@ -17,7 +17,8 @@ clearing between requests, and recompute after preemption starts over by itself.
 Prefill runs the chunked form (UT transform per 64-token chunk); decode tokens (one new token
 per sequence) run one batched recurrent step. On CUDA the `flash-linear-attention` package's
 chunk kernel is used where it is installed (imported lazily, never required); decode steps on
-CUDA run three Triton kernels (kernels/triton/gdn.py), in place on the state pools.
+CUDA run one Triton kernel (kernels/triton/gdn.py; three with FREETOKEN_GPU_GDN_FUSED=0), in
+place on the state pools.
 """
 
 from __future__ import annotations
