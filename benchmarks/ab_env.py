@@ -10,8 +10,11 @@ Each `--set` is one setting: comma-separated NAME=VALUE pairs, environment switc
 (freetoken/env.py, read when an engine is built or a kernel launched) or engine fields
 (`moe_hybrid_max_fetch=1`, `moe_cache_rate=0.25`: EngineConfig's names), applied on top of
 the engine flags. The model is loaded once (`ft bench decode --moe-backends` reuses it the
-same way); each engine's CPU threads stop before the next one starts. Prints a line per
-round and a table of every round's tokens/s per setting and batch.
+same way); each engine's CPU threads stop before the next one starts. A warm-up round
+(`--warm-rounds`, default 1) runs every setting first and is not recorded: on the H200 the
+first engine's batch-1 steps ran at 88 tok/s against 141 a round later (host banks touched
+for the first time, kernels compiled). Prints a line per round and a table of every round's
+tokens/s per setting and batch, with their median.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -62,6 +66,8 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
     add_engine_args(p)
     p.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warm-rounds", type=int, default=1,
+                   help="rounds run first and not recorded (default 1)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64, help="timed decode steps per batch")
     p.add_argument("--warmup", type=int, default=8)
@@ -70,13 +76,15 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
     args = p.parse_args(argv)
     if len(args.settings) < 2:
         raise SystemExit("give at least two --set settings to compare")
+    if args.rounds < 1 or args.warm_rounds < 0:
+        raise SystemExit("--rounds must be at least 1 and --warm-rounds not negative")
     batches = [int(b) for b in args.batch.split(",") if b.strip()]
     base = engine_config_from_args(args)
     parsed = [(s, *_setting(s)) for s in args.settings]
     saved = {k: os.environ.get(k) for _, env, _ in parsed for k in env}
     model, res = None, {}
     try:
-        for r in range(args.rounds):
+        for r in range(-args.warm_rounds, args.rounds):
             for label, env, fields in parsed:
                 os.environ.update(env)
                 cfg = bench.bench_config(dataclasses.replace(base, **fields), batches,
@@ -85,9 +93,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
                 model = runner.engine.model
                 for row in bench.run_decode(runner, batches, args.prompt_len, args.tokens,
                                             args.warmup, float("nan")):  # no roofline here
-                    res.setdefault((label, row.batch), []).append(row.tokens_per_s)
-                    print(f"round {r} {label} batch {row.batch}: {row.tokens_per_s:.1f} tok/s "
-                          f"{row.ms_per_step:.2f} ms/step", flush=True)
+                    if r >= 0:
+                        res.setdefault((label, row.batch), []).append(row.tokens_per_s)
+                    print(f"round {r if r >= 0 else 'warm-up'} {label} batch {row.batch}: "
+                          f"{row.tokens_per_s:.1f} tok/s {row.ms_per_step:.2f} ms/step",
+                          flush=True)
                 if runner.engine.moe is not None:
                     runner.engine.moe.close()
                 del runner
@@ -99,9 +109,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
             else:
                 os.environ[k] = v
     width = max(len(s) for s in args.settings)
-    print(f"\n{'setting':<{width}} {'batch':>5}   tok/s, each round")
+    print(f"\n{'setting':<{width}} {'batch':>5}   {'median':>8}   tok/s, each round")
     for (label, b), xs in res.items():
-        print(f"{label:<{width}} {b:>5}   " + " ".join(f"{x:8.1f}" for x in xs))
+        print(f"{label:<{width}} {b:>5}   {statistics.median(xs):8.1f}   "
+              + " ".join(f"{x:8.1f}" for x in xs))
     return res
 
 

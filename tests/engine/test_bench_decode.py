@@ -202,8 +202,9 @@ def test_profile_decode_step_with_a_cache_backend(capsys):
 
 def test_ab_env_alternates_settings(capsys, monkeypatch):
     """benchmarks/ab_env.py on the CPU: one model, an engine per --set (a switch and an engine
-    field), rounds alternated; a line per round and a table row per setting and batch, and the
-    switches restored afterwards. A bad --set is refused."""
+    field), rounds alternated after a warm-up round that is printed and not recorded; a line
+    per round and a table row per setting and batch, and the switches restored afterwards. A
+    bad --set or round count is refused."""
     import sys
     from pathlib import Path
 
@@ -220,10 +221,13 @@ def test_ab_env_alternates_settings(capsys, monkeypatch):
                            ("moe_hybrid_max_fetch=1", 1), ("moe_hybrid_max_fetch=1", 2)]
     assert all(len(v) == 2 and all(x > 0 for x in v) for v in res.values())
     out = capsys.readouterr().out
-    assert out.count("round 1 ") == 4 and "tok/s, each round" in out
+    assert out.count("round 1 ") == 4 and out.count("round warm-up ") == 4
+    assert "median" in out and "tok/s, each round" in out
     assert "FREETOKEN_GPU_SIDE_STREAM" not in os.environ
     with pytest.raises(SystemExit, match="neither a FREETOKEN_ switch nor an engine field"):
         ab_env.main(common + ["--set", "bogus=1", "--set", "moe_cache_rate=0.25"])
+    with pytest.raises(SystemExit, match="--rounds must be at least 1"):
+        ab_env.main(common + ["--rounds", "0", "--set", "a=1", "--set", "b=2"])
 
 
 def test_profile_decode_step_prefill(capsys):
