@@ -49,6 +49,31 @@ CASES.update({
         dict(NV=32, DV=128, QUANT=q), ("eps",), 1)
     for q in (False, True)
 })
+# the gated delta-net decode step in one launch (`gdn.gdn_decode`, Qwen3.6-35B-A3B's heads:
+# 32 value heads of 128, 16 key heads of 128, conv 4), with and without positions, both v
+# layouts and the codes; grid and warps as gdn_decode launches it
+_GDN_PTRS = {"p_ptr": _BF, "cw_ptr": "*fp32", "conv_ptr": "*fp32", "nega_ptr": "*fp32",
+             "dtb_ptr": "*fp32", "ssm_ptr": "*fp32", "slots_ptr": "*i64", "pos_ptr": "*i64",
+             "o_ptr": "*fp32", "nw_ptr": "*fp32", "y_ptr": _BF, "q_ptr": "*i32",
+             "qk_count_ptr": "*i32", "norm_count_ptr": "*i32"}
+CASES.update({
+    f"gdn-fused-pos{p}-tiled{t}-quant{q}": (
+        "freetoken.kernels.triton.gdn", "_fused_kernel", _GDN_PTRS,
+        dict(HAS_POS=p, TILED=t, QUANT=q, NV=32, DK=128, DV=128, BV=32, KW=4, KP=4),
+        ("scale", "eps"), 4)
+    for p, t, q in ((True, False, True), (False, True, False), (True, True, False))
+})
+# the receive of the CPU's answer with the shared expert added (`handoff.receive_add`), gated
+# (qwen3.5-moe) and not, at the 35B's width (`glu.gate_block`, GATE_WARPS)
+CASES.update({
+    f"receive-shared-gate{g}": (
+        "freetoken.kernels.triton.handoff", "_receive_shared_kernel",
+        {"y_ptr": _BF, "sh_ptr": _BF, "x_ptr": _BF, "w_ptr": _BF, "out_ptr": _BF,
+         "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32", "waits_ptr": "*i64",
+         "timeout_ns": "i64"},
+        dict(H=2048, BLOCK=1024, GATE=g, ASM=True), (), 4)
+    for g in (False, True)
+})
 _PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
               "last_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64",
               "q_ptr": "*fp64", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,
