@@ -1,7 +1,8 @@
 // AVX-512 VNNI tier: the 512-bit NVFP4 W4A8 kernel (nvfp4_dot512.h; its vpermb variant from
 // tier_avx512_vbmi.cpp where the CPU has AVX-512 VBMI) and its SIMD activation quant (the 16-lane
-// layout of common.h); vpdpbusd kernels for the GGUF Q4_K and Q6_K (512-bit, here) and Q8_0 and
-// Q4_0 (256-bit, gguf_dot256.h). Everything else comes from the AVX-512 tier's table.
+// layout of common.h); vpdpbusd kernels for the GGUF Q4_K and Q6_K (512-bit, here), Q5_K at one
+// token (512-bit, here) and Q8_0 and Q4_0 (256-bit, gguf_dot256.h). Everything else comes from
+// the AVX-512 tier's table.
 #include <immintrin.h>
 
 #include <cstdlib>
@@ -117,27 +118,25 @@ static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* 
   }
 }
 
-// R rows (`rb` bytes apart) against one token, res[i] for row i: q4k_row<1>'s arithmetic lane
-// for lane (the same products, FMA chains and final sums, so the same bits), with what it
-// spent per row and super-block done once for the R rows or in fewer instructions (one core,
-// L2, 30B expert shapes: 20 -> 27 GB/s at R = 4):
-// - the activations (four 2 x 32-byte loads) and their scales and sums, loaded once for R rows;
-// - the 6-bit scales and mins of the R rows' headers unpacked together in one vector (two
-//   vpshufb, a word shift, one ternary logic) instead of scalar shifts and a store / reload
-//   per row; their fp16 d, dmin converted for the R rows at once;
-// - d * sc and dmin * m in one 16-lane vector F, times [da, da] in one product fz: lanes 0-7
-//   are q4k_row's f = dsc * da, lanes 8-15 its dmn * da; the mins FMA runs on all 16 lanes
-//   against [0, float(sa)] and only lanes 8-15 are summed.
-// d * sc is exact in fp32 (11 x 6 significant bits), so F's lanes equal q4k_factors' exactly.
-template <int R>
-static inline void q4k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const uint8_t* A,
-                             float* res, const SpreadPrefetch<R>& pf) {
-  const int64_t nsb = K / 256;
-  const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-  const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i sel1 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m512i sel2 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-  const __m512i sel3 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+// The R-row Q4_K / Q5_K kernels' activation terms of super-block b: [da, da] (both halves the
+// 8 scales of the super-block) and [0, float(sa)] (the 8 sums in the upper half).
+static inline __m512 k_da2(const uint8_t* A, int64_t K, int64_t b) {
+  return _mm512_broadcast_f32x8(_mm256_loadu_ps(reinterpret_cast<const float*>(A + K) + b * 8));
+}
+static inline __m512 k_sa2(const uint8_t* A, int64_t K, int64_t b) {
+  return _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_cvtepi32_ps(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(A + K + K / 8 + b * 32))), 1);
+}
+// The mins' sum of the R-row kernels: lanes 8-15 of accm as hsum8 adds them.
+static inline float k_mins_sum(__m512 accm) { return hsum8(_mm512_extractf32x8_ps(accm, 1)); }
+
+// The headers of R Q4_K / Q5_K rows' super-blocks (`blk0`, rows `rb` bytes apart), unpacked
+// together: their 6-bit scales and mins in one vector (two vpshufb, a word shift, one ternary
+// logic) instead of scalar shifts and a store / reload per row, their fp16 d, dmin converted
+// at once. factors(r) = [d * sc[0..7], dmin * m[0..7]] of row r: d * sc is exact in fp32
+// (11 x 6 significant bits), so its lanes equal q4k_factors' dsc, dmn exactly.
+// The shuffles of KHeaders, made once per row group (outside the super-block loop).
+struct KHeaderConsts {
   // Header bytes (per 128-bit lane = one row): 0-1 d, 2-3 dmin, 4-15 s[0..11]. Output bytes
   // 0-7 sc[0..7], 8-15 m[0..7]: sc[j<4] = s[j] & 63, m[j<4] = s[j+4] & 63,
   // sc[j>=4] = (s[j+4] & 15) | (s[j-4] >> 6) << 4, m[j>=4] = (s[j+4] >> 4) | (s[j] >> 6) << 4.
@@ -149,7 +148,62 @@ static inline void q4k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const u
   const __m512i shP = _mm512_broadcast_i32x4(_mm_setr_epi16(0, 0, 0, 0, 0, 0, 4, 4));
   const __m512i mP = _mm512_broadcast_i32x4(
       _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  const __m512i m30 = _mm512_set1_epi8(0x30);
   const __m512i dd_idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+};
+
+// The headers of R Q4_K / Q5_K rows' super-blocks (`blk0`, rows `rb` bytes apart), unpacked
+// together: their 6-bit scales and mins in one vector (two vpshufb, a word shift, one ternary
+// logic) instead of scalar shifts and a store / reload per row, their fp16 d, dmin converted
+// at once. factors(r) = [d * sc[0..7], dmin * m[0..7]] of row r: d * sc is exact in fp32
+// (11 x 6 significant bits), so its lanes equal q4k_factors' dsc, dmn exactly.
+template <int R>
+struct KHeaders {
+  alignas(64) uint8_t scm[64];  // row r: sc[0..7], m[0..7] at 16r
+  __m256 dd;                    // [d0, dmin0, d1, dmin1, ...]
+  [[gnu::always_inline]] KHeaders(const uint8_t* blk0, int64_t rb, const KHeaderConsts& k) {
+    static_assert(R <= 4, "one header a 128-bit lane");
+    auto hdr = [&](int r) {
+      return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk0 + r * rb));
+    };
+    __m512i H = _mm512_castsi128_si512(hdr(0));
+    if constexpr (R > 1) H = _mm512_inserti32x4(H, hdr(1), 1);
+    if constexpr (R > 2) H = _mm512_inserti32x4(H, hdr(2), 2);
+    if constexpr (R > 3) H = _mm512_inserti32x4(H, hdr(3), 3);
+    const __m512i P = _mm512_srlv_epi16(_mm512_shuffle_epi8(H, k.idxP), k.shP);
+    const __m512i Q = _mm512_and_si512(_mm512_srli_epi16(_mm512_shuffle_epi8(H, k.idxQ), 2),
+                                       k.m30);
+    _mm512_store_si512(scm, _mm512_ternarylogic_epi32(P, k.mP, Q, 0xea));  // (P & mP) | Q
+    dd = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(k.dd_idx, H)));
+  }
+  [[gnu::always_inline]] __m512 factors(int r) const {
+    const __m512 DM = _mm512_permutexvar_ps(  // [d x 8, dmin x 8]
+        _mm512_inserti64x4(_mm512_set1_epi32(2 * r), _mm256_set1_epi32(2 * r + 1), 1),
+        _mm512_castps256_ps512(dd));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                             _mm_load_si128(reinterpret_cast<const __m128i*>(scm + 16 * r)))), DM);
+  }
+};
+
+// R rows (`rb` bytes apart) against one token, res[i] for row i: q4k_row<1>'s arithmetic lane
+// for lane (the same products, FMA chains and final sums, so the same bits), with what it
+// spent per row and super-block done once for the R rows or in fewer instructions (one core,
+// L2, 30B expert shapes: 20 -> 27 GB/s at R = 4):
+// - the activations (four 2 x 32-byte loads) and their scales and sums, loaded once for R rows;
+// - the rows' headers unpacked together (KHeaders);
+// - d * sc and dmin * m in one 16-lane vector F, times [da, da] in one product fz: lanes 0-7
+//   are q4k_row's f = dsc * da, lanes 8-15 its dmn * da; the mins FMA runs on all 16 lanes
+//   against [0, float(sa)] and only lanes 8-15 are summed (k_mins_sum).
+template <int R>
+static inline void q4k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const uint8_t* A,
+                             float* res, const SpreadPrefetch<R>& pf) {
+  const int64_t nsb = K / 256;
+  const KHeaderConsts kh;
+  const __m512i m4 = _mm512_set1_epi8(0x0f);
+  const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+  const __m512i sel1 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i sel2 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
+  const __m512i sel3 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
   const __m512i z = _mm512_setzero_si512();
   __m512 acc[R], acc2[R], accm[R];
   for (int r = 0; r < R; ++r) {
@@ -166,30 +220,11 @@ static inline void q4k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const u
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + hi)), 1);
     };
     const __m512i a0 = two(0, 64), a1 = two(32, 96), a2 = two(128, 192), a3 = two(160, 224);
-    const __m512 da2 = _mm512_broadcast_f32x8(
-        _mm256_loadu_ps(reinterpret_cast<const float*>(A + K) + b * 8));
-    const __m512 sa2 = _mm512_insertf32x8(_mm512_setzero_ps(), _mm256_cvtepi32_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(A + K + K / 8 + b * 32))), 1);
+    const __m512 da2 = k_da2(A, K, b), sa2 = k_sa2(A, K, b);
     const uint8_t* blk0 = row0 + b * 144;
-    auto hdr = [&](int r) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk0 + r * rb)); };
-    __m512i H = _mm512_castsi128_si512(hdr(0));
-    if constexpr (R > 1) H = _mm512_inserti32x4(H, hdr(1), 1);
-    if constexpr (R > 2) H = _mm512_inserti32x4(H, hdr(2), 2);
-    if constexpr (R > 3) H = _mm512_inserti32x4(H, hdr(3), 3);
-    static_assert(R <= 4, "one header a 128-bit lane");
-    const __m512i P = _mm512_srlv_epi16(_mm512_shuffle_epi8(H, idxP), shP);
-    const __m512i Q = _mm512_and_si512(_mm512_srli_epi16(_mm512_shuffle_epi8(H, idxQ), 2), m30);
-    alignas(64) uint8_t scm[64];  // row r: sc[0..7], m[0..7] at 16r
-    _mm512_store_si512(scm, _mm512_ternarylogic_epi32(P, mP, Q, 0xea));  // (P & mP) | Q
-    // [d0, dmin0, d1, dmin1, ...] of the R rows
-    const __m256 dd = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(dd_idx, H)));
+    const KHeaders<R> hd(blk0, rb, kh);
     for (int r = 0; r < R; ++r) {
-      const __m512 DM = _mm512_permutexvar_ps(  // [d x 8, dmin x 8]
-          _mm512_inserti64x4(_mm512_set1_epi32(2 * r), _mm256_set1_epi32(2 * r + 1), 1),
-          _mm512_castps256_ps512(dd));
-      const __m512 F = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-          _mm_load_si128(reinterpret_cast<const __m128i*>(scm + 16 * r)))), DM);
-      const __m512 fz = _mm512_mul_ps(F, da2);
+      const __m512 fz = _mm512_mul_ps(hd.factors(r), da2);
       const uint8_t* blk = blk0 + r * rb;
       const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
       const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
@@ -205,13 +240,8 @@ static inline void q4k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const u
       accm[r] = _mm512_fmadd_ps(fz, sa2, accm[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {  // q4k_row's sums: the same trees
-    const __m256 am = _mm512_extractf32x8_ps(accm[r], 1);
-    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
-    const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    res[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r])) -
-             _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
-  }
+  for (int r = 0; r < R; ++r)  // q4k_row's sums: the same trees
+    res[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r])) - k_mins_sum(accm[r]);
 }
 
 struct Q4KRow {
@@ -224,6 +254,87 @@ struct Q4KRow {
   static void rows1(const Bank& w, int64_t e, int64_t r, const uint8_t* act, float* res,
                     const SpreadPrefetch<R>& pf) {
     q4k_rows1<R>(w.row(e, r), w.row_bytes, w.K, act, res, pf);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// GGUF Q5_K x int8 (Q8_32 activations): R rows at one token, 512-bit
+// ---------------------------------------------------------------------------
+// Q5_K is Q4_K's header, qh[32] (bit s of qh[l]: bit 4 of value l of sub-block s) and its
+// nibbles (176-byte blocks). Several tokens take the 256-bit kernel (gguf256::q5k_row); R rows
+// against one token take this one, its arithmetic lane for lane: vector g of a row holds
+// sub-blocks 2g and 2g + 1 (group g's low and high nibbles), so its halves are two of the
+// 256-bit kernel's four chains (acc[s % 4]): C[0] = (chains 0, 1) takes groups 0 and 2, C[1]
+// = (2, 3) groups 1 and 3, in that kernel's order, and the sums add chain 0, 1, 2, 3 as it does.
+// The rows' headers as Q4_K's (KHeaders); the qh bits by one 32-bit rotate a vector instead of a
+// shift each 32 values. One core, L2, K = 2048 (a 2-core Zen 5): 27 -> 33 GB/s, from DRAM on one
+// thread 24 -> 31.
+template <int R>
+static inline void q5k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const uint8_t* A,
+                             float* res, const SpreadPrefetch<R>& pf) {
+  const int64_t nsb = K / 256;
+  const KHeaderConsts kh;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m10 = _mm512_set1_epi8(0x10);
+  const __m512i nib = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  __m512i rot[4], sel[4];  // group g: bit 2g / 2g + 1 of each qh byte to bit 4; f[2g], f[2g + 1]
+  for (int g = 0; g < 4; ++g) {
+    rot[g] = _mm512_inserti64x4(_mm512_set1_epi32((4 - 2 * g) & 31),
+                                _mm256_set1_epi32((3 - 2 * g) & 31), 1);
+    sel[g] = _mm512_inserti64x4(_mm512_set1_epi32(2 * g), _mm256_set1_epi32(2 * g + 1), 1);
+  }
+  // NOTE: the row loops unrolled early keep acc and accm in registers; unrolled later, GCC kept
+  // them in memory too and stored all 12 every super-block (across the prefetch's asm).
+  __m512 acc[R][2], accm[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    acc[r][0] = acc[r][1] = accm[r] = _mm512_setzero_ps();
+  auto bcast32 = [](const uint8_t* p) {
+    return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  for (int64_t b = 0; b < nsb; ++b) {
+    pf.step(b, nsb);
+    __m512i a[4];
+    for (int g = 0; g < 4; ++g) a[g] = _mm512_loadu_si512(A + b * 256 + 64 * g);
+    const __m512 da2 = k_da2(A, K, b), sa2 = k_sa2(A, K, b);
+    const uint8_t* blk0 = row0 + b * 176;
+    const KHeaders<R> hd(blk0, rb, kh);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 fz = _mm512_mul_ps(hd.factors(r), da2);  // [d sc da, dmin m da]
+      const uint8_t* blk = blk0 + r * rb;
+      const __m512i qh = bcast32(blk + 16);
+      for (int g = 0; g < 4; ++g) {
+        // 32-bit rotates by (4 - s) mod 32 move bit s of every byte to its bit 4
+        const __m512i q = _mm512_ternarylogic_epi32(
+            _mm512_and_si512(_mm512_srlv_epi16(bcast32(blk + 48 + 32 * g), nib), m4),
+            _mm512_rolv_epi32(qh, rot[g]), m10, 0xf8);  // nibble | (qh bit & m10)
+        __m512& c = acc[r][g % 2];
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, a[g]);
+        c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel[g], fz), c);
+      }
+      accm[r] = _mm512_fmadd_ps(fz, sa2, accm[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {  // gguf256::sum_chains and the mins' hsum8
+    __m256 s = _mm512_castps512_ps256(acc[r][0]);
+    s = _mm256_add_ps(s, _mm512_extractf32x8_ps(acc[r][0], 1));
+    s = _mm256_add_ps(s, _mm512_castps512_ps256(acc[r][1]));
+    s = _mm256_add_ps(s, _mm512_extractf32x8_ps(acc[r][1], 1));
+    res[r] = hsum8(s) - k_mins_sum(accm[r]);
+  }
+}
+
+struct Q5KRow {
+  template <int NT>
+  static void run(const Bank& w, int64_t e, int64_t r, const uint8_t* const* acts, float* res,
+                  int64_t os) {
+    gguf256::q5k_row<EvexDp, NT>(w.row(e, r), w.K, acts, res, os);
+  }
+  template <int R>
+  static void rows1(const Bank& w, int64_t e, int64_t r, const uint8_t* act, float* res,
+                    const SpreadPrefetch<R>& pf) {
+    q5k_rows1<R>(w.row(e, r), w.row_bytes, w.K, act, res, pf);
   }
 };
 
@@ -314,10 +425,14 @@ const Kernels& kernels_avx512_vnni() {
     // The blocks of 32 (Q8_0, Q4_0, ...): the 256-bit kernels, one block a vector, beat 512-bit
     // ones that took two blocks a vector (1 core, L2, K = 2048: Q8_0 20.6 vs 16.0 and Q4_0 11.2
     // vs 9.0 GB/s: their two blocks' scales cost more than the wider vpdpbusd saves); Q4_K /
-    // Q6_K: the 512-bit ones (14.7 vs 13.9, 18.5 vs 15.4); Q5_K the 256-bit one.
+    // Q6_K: the 512-bit ones (14.7 vs 13.9, 18.5 vs 15.4); Q5_K the 256-bit one, and at one
+    // token the 512-bit 4 rows at a time (Q4_K too). Q6_K 4 rows at a time (activations loaded
+    // once for the 4) was no faster (1 core, L2, Zen 5: 43 vs 43 GB/s): it has no header to
+    // unpack, and its loads of the activations were memory operands of vpdpbusd anyway.
     avx512_vnni_tier::gguf256::set_dots<avx512_vnni_tier::EvexDp>(t);
     t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q4KRow, 4>;
     t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q6KRow>;
+    t.fmt[static_cast<int>(Fmt::Q5_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q5KRow, 4>;
     return t;
   };
   static const Kernels plain = make(dot512::dot_nvfp4<false>);

@@ -62,7 +62,7 @@ def make_mxfp4(gen, K: int):
 
 
 # byte offsets of the fp16 scale fields in each block (set to sane values; the rest random)
-GGUF_FIELDS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}
+GGUF_FIELDS = {Q.Q4_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
 
 
 def make_gguf(qtype, gen, K: int, n: int = N):
@@ -117,11 +117,12 @@ def test_format_dot_vs_float64(fmt: str, tier: str):
 
 
 @pytest.mark.parametrize("tier", TIERS)
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0"])
 def test_gguf_dot_token_alone_same_bits(fmt: str, tier: str):
-    """A token alone (one token: the kernels that take several rows at a time, Q4_K's 4 rows
-    on avx512_vnni) gets the same bits as in a call of three tokens (one row at a time), at row
-    counts that leave 1-3 rows after the groups, on one and two threads (other row splits)."""
+    """A token alone (one token: the kernels that take several rows at a time, Q4_K's and
+    Q5_K's 4 rows on avx512_vnni) gets the same bits as in a call of three tokens (one row at a
+    time), at row counts that leave 1-3 rows after the groups, on one and two threads (other
+    row splits)."""
     for n, K in ((302, 2048), (13, 768)):
         gen = torch.Generator().manual_seed(n + K)
         w, _ = make_gguf(Q[fmt], gen, K, n)
