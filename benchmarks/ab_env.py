@@ -60,10 +60,12 @@ def _typed(value: str):
 
 def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
     from freetoken.cli import add_engine_args, engine_config_from_args
+    from freetoken.commands.generate import add_log_level, setup_logging
     from freetoken.engine import bench
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
+    add_log_level(p)  # each engine says which MoE split it took (a profile's q* or not)
     p.add_argument("--batch", default="1", help="comma-separated decode batch sizes")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--warm-rounds", type=int, default=1,
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
     p.add_argument("--set", action="append", default=[], dest="settings",
                    help="one setting: NAME=VALUE[,NAME=VALUE...] (give two or more)")
     args = p.parse_args(argv)
+    setup_logging(args)
     if len(args.settings) < 2:
         raise SystemExit("give at least two --set settings to compare")
     if args.rounds < 1 or args.warm_rounds < 0:

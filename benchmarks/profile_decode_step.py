@@ -256,9 +256,11 @@ def kernel_ab() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from freetoken.cli import add_engine_args
+    from freetoken.commands.generate import add_log_level
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_engine_args(p)
+    add_log_level(p)
     p.add_argument("--batch", default="1,16",
                    type=lambda s: [int(x) for x in s.split(",") if x.strip()],
                    help="comma-separated decode batch sizes (default 1,16)")
@@ -278,7 +280,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from freetoken.commands.generate import setup_logging
+
     args = parse_args(argv)
+    setup_logging(args)
     if args.kernel_ab and args.prefill:
         raise SystemExit("--kernel-ab times kernels alone: it takes no --prefill")
     if args.kernel_ab:

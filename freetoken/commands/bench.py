@@ -79,8 +79,10 @@ def _moe_runs(args: argparse.Namespace) -> list[tuple[str, float]] | None:
 
 def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
     from freetoken.cli import add_engine_args
+    from freetoken.commands.generate import add_log_level
 
     add_engine_args(p)
+    add_log_level(p)  # the engine's log lines: which MoE backend and split, and why
     if not prefill:
         p.add_argument("--batch", type=_ints, default=[1, 4, 16],
                        help="comma-separated decode batch sizes (default 1,4,16)")
@@ -109,8 +111,10 @@ def _engine_bench_args(p: argparse.ArgumentParser, prefill: bool) -> None:
 
 def _engine_bench_run(args: argparse.Namespace, prefill_only: bool) -> int:
     from freetoken.cli import engine_config_from_args
+    from freetoken.commands.generate import setup_logging
     from freetoken.engine.bench import main
 
+    setup_logging(args)
     main(engine_config_from_args(args), batches=getattr(args, "batch", [1]),
          prompt_len=getattr(args, "prompt_len", 128), tokens=getattr(args, "tokens", 8),
          warmup=args.warmup, prompt_lens=args.prompt_lens, decode=not prefill_only,

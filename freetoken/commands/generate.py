@@ -24,6 +24,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--system", default=None, help="system message (chat mode)")
+    add_log_level(p)
+
+
+def add_log_level(p: argparse.ArgumentParser) -> None:
+    """`--log-level` for `setup_logging` (commands that build an engine)."""
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log lines on stderr (the MoE backend's choice, the decode log line)")
 

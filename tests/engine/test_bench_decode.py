@@ -158,6 +158,26 @@ def test_forward_failure_stops_the_bench(monkeypatch):
         Runner(eng).decode(batch=2, prompt_len=4, tokens=2, warmup=0)
 
 
+def test_bench_logs_the_moe_backend_and_its_split(tmp_path, capsys):
+    """The engine's log lines reach stderr (--log-level, default info): which MoE backend and
+    fetch split a run took, and why (a bandwidth profile's q* or the default without one)."""
+    import logging
+
+    log = logging.getLogger("freetoken")
+    level, handlers = log.level, list(log.handlers)
+    args = ["decode", "--batch", "1", "--tokens", "2", "--prompt-len", "8", "--warmup", "0",
+            "--moe-backend", "hybrid", "--moe-cache-rate", "0.5"]
+    try:
+        _run(tmp_path, *args)
+        err = capsys.readouterr().err
+        assert "MoE backend hybrid" in err and "q* =" in err
+        _run(tmp_path, *args, "--log-level", "warning")
+        assert "MoE backend hybrid" not in capsys.readouterr().err
+    finally:  # --log-level sets the package logger's level and handler
+        log.setLevel(level)
+        log.handlers[:] = handlers
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("FREETOKEN_TEST_FULL_BENCH") != "1",
                     reason="minutes on 2 cores; FREETOKEN_TEST_FULL_BENCH=1 runs it")
