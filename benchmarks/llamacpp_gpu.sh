@@ -17,8 +17,11 @@
 #       version, unpacked: nvidia/cu13). The driver symbols ggml links
 #       against come from a stub libcuda.so.1 made here (the toolkit's lib64/stubs has one
 #       where installed in full); the GPU machine's driver is what loads at run time. The CPU
-#       code is built for this machine's ISA (GGML_NATIVE), which must not exceed the GPU
-#       host's (both AVX-512 / AMX Xeons here). Its parts are about 40 MB: with a 21 MB tree
+#       code is built for the GPU host's ISA, named (LLAMA_CPU_FLAGS, default the Xeon's
+#       AVX-512 with VNNI, VBMI and BF16, AVX-VNNI and AMX), not for the building machine's
+#       (GGML_NATIVE): built native on an AMD Zen 5, llama-bench lacked the AMX kernels and
+#       its -ncmoe prefill ran at 267 tok/s where another build ran 2,249 on the same host.
+#       Its parts are about 40 MB: with a 21 MB tree
 #       they fit what may travel to the GPU machine (64 MiB) when nothing else big is carried.
 #   bash benchmarks/llamacpp_gpu.sh unpack PARTS_DIR DEST
 #       joins the parts into DEST/llama-bench (carry PARTS_DIR into the next call). There,
@@ -26,6 +29,11 @@
 # Then: python benchmarks/bench_vs_llamacpp.py --llama DEST/llama-bench ...
 set -euo pipefail
 mode=${1:?usage: llamacpp_gpu.sh build SRC OUT_DIR | build-here SRC CUBLAS_DIR OUT_DIR | unpack PARTS_DIR DEST}
+
+# the GPU host's CPU (Emerald Rapids) for ggml's CPU code, whatever machine builds it
+XEON=${LLAMA_CPU_FLAGS:--DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON}
 
 source_dir() {  # llama.cpp's top directory inside the unpacked tarball $1
   local top
@@ -76,7 +84,7 @@ build-here)
   PATH=$tk/bin:$PATH cmake -S "$dir" -B "$work/b" -DCUDAToolkit_ROOT="$tk" \
     -DCMAKE_CUDA_COMPILER="$tk/bin/nvcc" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON > "$work/cmake.log"
+    -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=OFF $XEON > "$work/cmake.log"
   build() { PATH=$tk/bin:$PATH cmake --build "$work/b" -j "$(nproc)" --target llama-bench \
     >> "$work/cmake.log" 2>&1; }
   if ! build; then  # the link names the driver symbols it needs: stub them, link again
