@@ -130,11 +130,6 @@ static inline __m512 k_sa2(const uint8_t* A, int64_t K, int64_t b) {
 // The mins' sum of the R-row kernels: lanes 8-15 of accm as hsum8 adds them.
 static inline float k_mins_sum(__m512 accm) { return hsum8(_mm512_extractf32x8_ps(accm, 1)); }
 
-// The headers of R Q4_K / Q5_K rows' super-blocks (`blk0`, rows `rb` bytes apart), unpacked
-// together: their 6-bit scales and mins in one vector (two vpshufb, a word shift, one ternary
-// logic) instead of scalar shifts and a store / reload per row, their fp16 d, dmin converted
-// at once. factors(r) = [d * sc[0..7], dmin * m[0..7]] of row r: d * sc is exact in fp32
-// (11 x 6 significant bits), so its lanes equal q4k_factors' dsc, dmn exactly.
 // The shuffles of KHeaders, made once per row group (outside the super-block loop).
 struct KHeaderConsts {
   // Header bytes (per 128-bit lane = one row): 0-1 d, 2-3 dmin, 4-15 s[0..11]. Output bytes
