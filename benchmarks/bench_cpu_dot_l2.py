@@ -1,6 +1,6 @@
 """One core's CPU MoE dot per expert format, weights in L2: which formats are compute bound.
 
-    python benchmarks/bench_cpu_dot_l2.py [--formats nvfp4,Q4_K,Q6_K,Q8_0] [--isa TIER]
+    python benchmarks/bench_cpu_dot_l2.py [--formats nvfp4,Q4_K,Q5_K,Q6_K,Q8_0] [--isa TIER]
 
 `ft bench cpu-moe` reports this figure (`cpu_bench.dot_l2`) for NVFP4 only; this runs it for
 each format: a matrix of about 1 MiB (K = 2048) against one token, best and median GB/s of

@@ -127,13 +127,14 @@ def _fill(buf: torch.Tensor, seed: int) -> None:
 
 
 def gguf_bank(qtype: str, E: int, N: int, K: int, seed: int) -> QuantWeight:
-    """Random GGUF blocks with sane fp16 scales (2^-7, and 2^-9 for Q4_K's dmin): no
+    """Random GGUF blocks with sane fp16 scales (2^-7, and 2^-9 for Q4_K's / Q5_K's dmin): no
     NaN, infinity or subnormal products to slow the float paths."""
     t = gguf.GGMLQuantizationType[qtype]
     bs, bb = gguf.GGML_QUANT_SIZES[t]
     data = huge_page_empty((E, N, K // bs, bb), torch.uint8)
     _fill(data, seed)
-    for off, half in {"Q4_K": ((0, 0x2000), (2, 0x1800)), "Q6_K": ((208, 0x2000),),
+    for off, half in {"Q4_K": ((0, 0x2000), (2, 0x1800)), "Q5_K": ((0, 0x2000), (2, 0x1800)),
+                      "Q6_K": ((208, 0x2000),),
                       "Q8_0": ((0, 0x2000),), "Q4_0": ((0, 0x2000),)}[qtype]:
         data[..., off] = half & 0xFF
         data[..., off + 1] = half >> 8
@@ -228,7 +229,7 @@ def paired(run, ceil: Ceiling, runs: int) -> Figure:
 
 
 # rows of about 1 MiB at K = 2048 (fits a 2 MiB L2) for the 1-core L2 dot, per format
-L2_ROWS = {"nvfp4": 896, "Q4_K": 896, "Q6_K": 640, "Q8_0": 480}
+L2_ROWS = {"nvfp4": 896, "Q4_K": 896, "Q5_K": 768, "Q6_K": 640, "Q8_0": 480}
 
 
 def dot_l2(ex: CpuMoeExecutor, fmt: str = "nvfp4") -> tuple[float, float]:
