@@ -311,12 +311,10 @@ static inline void q5k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const u
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {  // gguf256::sum_chains and the mins' hsum8
-    __m256 s = _mm512_castps512_ps256(acc[r][0]);
-    s = _mm256_add_ps(s, _mm512_extractf32x8_ps(acc[r][0], 1));
-    s = _mm256_add_ps(s, _mm512_castps512_ps256(acc[r][1]));
-    s = _mm256_add_ps(s, _mm512_extractf32x8_ps(acc[r][1], 1));
-    res[r] = hsum8(s) - k_mins_sum(accm[r]);
+  for (int r = 0; r < R; ++r) {  // the 256-bit kernel's four chains, summed as it sums them
+    const __m256 c[4] = {_mm512_castps512_ps256(acc[r][0]), _mm512_extractf32x8_ps(acc[r][0], 1),
+                         _mm512_castps512_ps256(acc[r][1]), _mm512_extractf32x8_ps(acc[r][1], 1)};
+    res[r] = gguf256::sum_chains<1>(c) - k_mins_sum(accm[r]);
   }
 }
 
