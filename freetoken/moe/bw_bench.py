@@ -15,7 +15,10 @@ Per expert format, in one run (a layer shape of the seed's headline model, 2048x
 - both: each of the two fetch paths and the executor at once (the executor in a thread, it
   releases the GIL; copies on the main thread), since they share the host's memory bandwidth.
 q* = B_fetch / (B_fetch + B_cpu) from the fill kernel's "both" figures (the copy engine's
-where no fill was measured) is what the hybrid backend fetches of its misses. The figures go
+where no fill was measured) is what the hybrid backend fetches of its misses; the fill is also
+measured beside the executor's jobs of four tokens (about 30 experts, which it reads faster
+than the 8 of one token), and from both job sizes the hybrid backend fits its split by miss
+count (policy.SplitModel). The figures go
 to a profile (policy.profile_path(), keyed by expert format, GPU and CPU model) that
 `--moe-backend auto` and hybrid read. Without a GPU only the CPU side is
 measured, and the output says so.
@@ -59,22 +62,30 @@ def _parse_formats(text: str) -> list[str]:
 
 
 class CpuSide:
-    """The executor on a LayerBench pool: GB/s of experts over `seconds`."""
+    """The executor on a LayerBench pool, layer calls of `tokens` tokens: GB/s of experts over
+    `seconds`; `experts` the mean distinct experts of a call so far."""
 
-    def __init__(self, lb: LayerBench, ex: CpuMoeExecutor):
-        self.lb, self.ex = lb, ex
-        self.x = torch.randn(1, lb.shape.hidden)
-        self.out = torch.empty(1, lb.shape.hidden)
+    def __init__(self, lb: LayerBench, ex: CpuMoeExecutor, tokens: int = 1):
+        self.lb, self.ex, self.tokens = lb, ex, tokens
+        self.x = torch.randn(tokens, lb.shape.hidden)
+        self.out = torch.empty(tokens, lb.shape.hidden)
         self.seed = 0
+        self._calls = self._touched = 0
+
+    @property
+    def experts(self) -> float:
+        return self._touched / max(self._calls, 1)
 
     def run(self, seconds: float, stop: threading.Event | None = None) -> float:
         done, t_all, iters = 0, 0.0, 16
         t_end = time.perf_counter() + seconds
         while time.perf_counter() < t_end and not (stop is not None and stop.is_set()):
             self.seed += 1
-            ids, route, nbytes = self.lb.routing(iters, 1, self.seed)
+            ids, route, nbytes = self.lb.routing(iters, self.tokens, self.seed)
             t_all += self.lb.time_forward(self.ex, self.x, self.out, ids, route)
             done += nbytes
+            self._calls += iters
+            self._touched += nbytes // self.lb.expert_bytes
         return done / max(t_all, 1e-9) / 1e9
 
 
@@ -166,13 +177,19 @@ def both(cpu: CpuSide, pcie: PcieSide, seconds: float) -> tuple[float, float]:
     return res["cpu"], res["pcie"]
 
 
-def _fetch_path(cpu: CpuSide, side: PcieSide, seconds: float) -> tuple[float, float, float]:
+def _fetch_path(cpu: CpuSide, side: PcieSide, seconds: float,
+                cpu4: CpuSide | None = None) -> tuple[float, ...]:
     """(side alone, cpu while both run, side while both run) GB/s of one fetch path (after a
-    short warm-up); the side is closed afterwards."""
+    short warm-up), and with cpu4 the last two again with cpu4's jobs; the side is closed
+    afterwards."""
     try:
         side.run(min(0.1, seconds))
         alone = side.run(seconds)
-        return (alone, *both(cpu, side, seconds))
+        res = (alone, *both(cpu, side, seconds))
+        if cpu4 is not None:
+            cpu4.run(min(0.1, seconds))
+            res += both(cpu4, side, seconds)
+        return res
     finally:
         side.close()
 
@@ -210,8 +227,13 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
     if torch.cuda.is_available():
         res["pcie_gbps"], res["cpu_both_gbps"], res["pcie_both_gbps"] = \
             _fetch_path(cpu, PcieSide(lb), seconds)
-        res["fill_gbps"], res["cpu_fill_both_gbps"], res["fill_both_gbps"] = \
-            _fetch_path(cpu, FillSide(lb), seconds)
+        # the fill again with the executor's jobs of a batch of four (policy.SplitModel: the
+        # executor reads faster on larger jobs, which moves the split)
+        cpu4 = CpuSide(lb, cpu.ex, 4)
+        (res["fill_gbps"], res["cpu_fill_both_gbps"], res["fill_both_gbps"],
+         res["cpu_fill_both_b4_gbps"], res["fill_both_b4_gbps"]) = \
+            _fetch_path(cpu, FillSide(lb), seconds, cpu4)
+        res["cpu_experts_b1"], res["cpu_experts_b4"] = cpu.experts, cpu4.experts
     # q*: decode steps fetch with the fill kernel (inside CUDA graphs), so its figure with
     # the executor running decides the split where it was measured
     b_cpu = res.get("cpu_fill_both_gbps") or res["cpu_both_gbps"] or res["cpu_gbps"]
@@ -222,23 +244,36 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
     return res
 
 
+def split_text(r: dict) -> str:
+    """F of 7 and of 27 misses (a layer call at batch 1 and 4 at cache rate 0.1) under the
+    profile's split (policy.SplitModel where both job sizes were measured, else q*)."""
+    from freetoken.moe.policy import fetch_policy
+
+    if r.get("pcie_both_gbps") is None:
+        return "-"
+    f = fetch_policy("hybrid", None, r).limits(27)
+    return f"{f[7]}/{f[27]}"
+
+
 def format_table(rows: list[dict]) -> str:
     def g(v):
         return f"{v:>9.1f}" if v is not None else f"{'-':>9}"
 
     head = (f"{'format':<8}{'expert MB':>10}{'cpu GB/s':>9}{'pcie':>9}{'cpu|both':>9}"
-            f"{'pcie|both':>10}{'fill':>9}{'cpu|both':>9}{'fill|both':>10}{'q*':>6}"
-            "  recommended")
+            f"{'pcie|both':>10}{'fill':>9}{'cpu|both':>9}{'fill|both':>10}{'cpu4|both':>10}"
+            f"{'fill|cpu4':>10}{'q*':>6}{'F(7/27)':>8}  recommended")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['format']:<8}{r['expert_bytes'] / 1e6:>10.2f}{g(r['cpu_gbps'])}"
                      f"{g(r['pcie_gbps'])}{g(r['cpu_both_gbps'])} {g(r['pcie_both_gbps'])}"
                      f"{g(r.get('fill_gbps'))}{g(r.get('cpu_fill_both_gbps'))} "
-                     f"{g(r.get('fill_both_gbps'))}"
-                     f"{r['q_star']:>6.2f}  {r['recommended']}: {r['why']}")
+                     f"{g(r.get('fill_both_gbps'))} {g(r.get('cpu_fill_both_b4_gbps'))} "
+                     f"{g(r.get('fill_both_b4_gbps'))}"
+                     f"{r['q_star']:>6.2f}{split_text(r):>8}  {r['recommended']}: {r['why']}")
     lines.append("pcie: copy-engine copies (prefill streaming); fill: the slot-fill kernel "
                  "(decode steps, inside CUDA graphs); cpu|both: the executor while the one "
-                 "before it runs; q* from the fill figures where measured")
+                 "before it runs; cpu4: the executor on jobs of 4 tokens; q* from the fill "
+                 "figures where measured; F(7/27): experts fetched of 7 and of 27 misses")
     return "\n".join(lines)
 
 

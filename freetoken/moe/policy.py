@@ -10,12 +10,25 @@ they cross at F = q* M, and of the two integers beside it the upper one finishes
 exactly when the crossing's fraction exceeds 1 - q*, that is floor(q* M + q*). Rounding to the
 nearest instead fetched one expert too many whenever that fraction lay between 1/2 and 1 - q*
 (30B Q4_K at q* 0.37: M = 7 gave F = 3, whose fill outlasted the CPU's four by 30%).
+
+That rule takes each side's bandwidth as one figure, measured on jobs of one token (8 experts
+for the CPU). The executor reads faster on larger jobs (its start, its barrier and its last
+expert's tail are paid once a job: on the H200 host 109 GB/s on 8-expert jobs, more on the
+27-expert ones of a batch of 4), so q* of one-token jobs fetched one expert too many a layer
+at batch 4 (235.8 against 219.3 tokens/s with the fetches capped at 6, Qwen3.6-35B-A3B NVFP4
+hybrid at cache rate 0.1). Where `ft bench bw` also measured jobs of four tokens, `SplitModel`
+fits the executor's time of a job of n experts as t0 + n * t_e from the two job sizes (and the
+fill's time per expert between them), and F(M) is the integer that finishes first under it:
+the later of F * t_fill and t0 + (M - F) * t_e smallest, the larger F among equals (with
+t0 = 0 and one fill figure this is floor(q* (M + 1)) again).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,19 +114,112 @@ SPREAD_WARN = 0.15
 
 
 @dataclass(frozen=True)
+class SplitModel:
+    """The two sides of a layer call's misses in microseconds (module doc), fitted to `ft bench
+    bw`'s jobs of one and four tokens: the executor's job of n experts takes t0 + n * t_e; a
+    fetched expert takes t_fill(n) while the executor runs a job of n experts (linear between
+    the two measured job sizes n1 < n4, constant outside)."""
+
+    t0: float
+    t_e: float
+    n1: float
+    n4: float
+    fill1: float
+    fill4: float
+
+    @classmethod
+    def from_profile(cls, prof: dict) -> "SplitModel | None":
+        """The model of a profile with both job sizes' figures (while the fill runs), else
+        None (an older profile, or figures that give no positive per-expert time)."""
+        try:
+            b = float(prof["expert_bytes"])
+            n1, n4 = float(prof["cpu_experts_b1"]), float(prof["cpu_experts_b4"])
+            c1, c4 = float(prof["cpu_fill_both_gbps"]), float(prof["cpu_fill_both_b4_gbps"])
+            f1, f4 = float(prof["fill_both_gbps"]), float(prof["fill_both_b4_gbps"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (0 < n1 < n4) or min(c1, c4, f1, f4) <= 0:
+            return None
+        us = b / 1e3  # bytes / (GB/s) in microseconds
+        t1, t4 = n1 * us / c1, n4 * us / c4  # a job's time at each size
+        t_e = (t4 - t1) / (n4 - n1)
+        t0 = t1 - n1 * t_e
+        if t_e <= 0 or t0 < 0:  # noise, or a larger job reading slower: one figure (q*)
+            t0, t_e = 0.0, us / c1
+        return cls(t0, t_e, n1, n4, us / f1, us / f4)
+
+    def fill_time(self, n_cpu: int) -> float:
+        a = min(1.0, max(0.0, (n_cpu - self.n1) / (self.n4 - self.n1)))
+        return self.fill1 + a * (self.fill4 - self.fill1)
+
+    def cpu_time(self, n: int) -> float:
+        return 0.0 if n <= 0 else self.t0 + n * self.t_e
+
+    def fetches(self, m: int) -> int:
+        """F of m misses: the later side's time smallest, the larger F among equals. The
+        fill's side grows with F and the CPU's shrinks, so the best F is one of the two
+        beside their crossing."""
+        f = 0
+        while f < m and f * self.fill_time(m - f) < self.cpu_time(m - f):
+            f += 1
+        if f == 0:
+            return 0
+        later = [max(g * self.fill_time(m - g), self.cpu_time(m - g)) for g in (f - 1, f)]
+        return f if later[1] <= later[0] * (1 + 1e-12) else f - 1
+
+
+@dataclass(frozen=True)
 class FetchPolicy:
-    """fetch_limit(misses) for one backend; `q` None = every miss (offload)."""
+    """fetch_limit(misses) for one backend; `q` None = every miss (offload); `model`: the
+    split of a profile with both job sizes (else floor(q (M + 1)))."""
 
     q: float | None
     cap: int | None  # None = no cap
     why: str
+    model: SplitModel | None = None
+
+    def limits(self, n: int) -> tuple[int, ...]:
+        """F for M = 0 .. n misses, before the cap (the plan kernel's table)."""
+        return _limits(self.q, self.model, n)
 
     def __call__(self, misses: torch.Tensor) -> torch.Tensor:
         if self.q is None:
             f = misses
-        else:
+        elif self.model is None:
             f = torch.floor((misses.double() + 1) * self.q).long()  # the module doc's rule
+        else:
+            table = limit_table(self, TORCH_LIMIT_TABLE, misses.device)
+            f = table[torch.as_tensor(misses).long().clamp(0, TORCH_LIMIT_TABLE - 1)].long()
         return f if self.cap is None else f.clamp(max=self.cap)
+
+
+# The plan kernel's table: F for up to this many - 1 misses (a call it plans has at most
+# slot_plan.MAX_ROUTES routes); the torch plan's covers any expert count of a layer.
+LIMIT_TABLE = 128
+TORCH_LIMIT_TABLE = 1024
+_TABLES: dict = {}
+
+
+def limit_table(policy: FetchPolicy | None, size: int, device) -> torch.Tensor:
+    """int32 [size] on `device`: F for M = 0 .. size - 1 misses before the cap (None: every
+    miss), made once per (policy rule, size, device) and kept, so that CUDA graphs that read it
+    (captured after an eager step made it) never see it freed."""
+    q = None if policy is None else policy.q
+    model = None if policy is None else policy.model
+    key = (q, model, size, str(torch.device(device)))
+    if key not in _TABLES:
+        _TABLES[key] = torch.tensor(_limits(q, model, size - 1), dtype=torch.int32,
+                                    device=device)
+    return _TABLES[key]
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(q: float | None, model: SplitModel | None, n: int) -> tuple[int, ...]:
+    if q is None:
+        return tuple(range(n + 1))
+    if model is None:  # floor((M + 1) q) in float64, as the torch op and the kernel had it
+        return tuple(int(math.floor((m + 1) * q)) for m in range(n + 1))
+    return tuple(model.fetches(m) for m in range(n + 1))
 
 
 def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None) -> FetchPolicy:
@@ -133,8 +239,15 @@ def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None) -> F
         busy = (f" (measured while this machine's memory bandwidth varied: its executor "
                 f"rounds {spread:.0%} apart; run `ft bench bw` again on a quiet machine)"
                 if spread > SPREAD_WARN else "")
-        return FetchPolicy(q, cap, f"hybrid: q* = {q:.2f} from the ft bench bw profile"
-                           + (f", at most {cap} per layer" if cap is not None else "") + busy)
+        model = SplitModel.from_profile(profile)
+        split = ""
+        if model is not None:
+            f = _limits(q, model, 32)
+            split = (f"; fetches by job size (executor {model.t0:.0f} us + {model.t_e:.1f} us "
+                     f"an expert): F(7) = {f[7]}, F(27) = {f[27]}")
+        return FetchPolicy(q, cap, f"hybrid: q* = {q:.2f} from the ft bench bw profile" + split
+                           + (f", at most {cap} per layer" if cap is not None else "") + busy,
+                           model)
     cap = DEFAULT_CAP if cap is None else cap
     return FetchPolicy(DEFAULT_Q, cap, f"hybrid: no ft bench bw profile for this machine and "
                        f"format: q* = {DEFAULT_Q}, at most {cap} fetches per layer")

@@ -26,6 +26,7 @@ import torch
 
 from freetoken.formats.qweight import QuantWeight
 from freetoken.moe.banks import ExpertBank
+from freetoken.moe.policy import LIMIT_TABLE, limit_table
 
 ALIGN = 256  # bytes: every part of a slot starts on a 256-byte boundary (GPU loads, dtype views)
 COUNTERS = ("hits", "misses", "fetched", "cpu")
@@ -118,7 +119,6 @@ class SlotCache:
         self.last_use = torch.full((S + 1,), -1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
-        self._q: dict[float, torch.Tensor] = {}  # the plan kernel's q values on the device
         self._fill_tables: dict = {}  # (layer, bank address) -> fill_on_device's part table
         # whether fill_on_device can copy every layer's parts (whole 4-byte words)
         self.device_fill = self.pool.is_cuda and all(
@@ -164,8 +164,8 @@ class SlotCache:
         if self.plans_in_one_launch(ids):
             from freetoken.kernels.triton.slot_plan import plan_triton
 
-            q, cap = self._q_cap(fetch_limit)
-            return plan_triton(self, layer, ids, q, cap, count, live, job)
+            table, cap = self._limit_cap(fetch_limit)
+            return plan_triton(self, layer, ids, table, cap, count, live, job)
         if job is not None:
             raise ValueError("SlotCache.plan: a job is posted by the one-launch plan only")
         base = layer * E
@@ -204,17 +204,15 @@ class SlotCache:
             self.counters += torch.stack([torch.zeros_like(f), torch.zeros_like(f), f, -f])
         return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
 
-    def _q_cap(self, fetch_limit) -> tuple[torch.Tensor, int]:
-        """(q as a float64 device tensor, -1 = every miss; cap) of an int limit or a
-        policy with `q` (None = every miss) and `cap` (None = none) for the plan kernel."""
+    def _limit_cap(self, fetch_limit) -> tuple[torch.Tensor, int]:
+        """(the plan kernel's table of F for 0 .. LIMIT_TABLE - 1 misses, an int32 device
+        tensor; cap) of an int limit (every miss, capped) or a policy.FetchPolicy."""
         if isinstance(fetch_limit, int):
-            q, cap = None, fetch_limit
+            policy, cap = None, fetch_limit
         else:
-            q, cap = fetch_limit.q, fetch_limit.cap
-        q = -1.0 if q is None else float(q)
-        if q not in self._q:
-            self._q[q] = torch.tensor([q], dtype=torch.float64, device=self.device)
-        return self._q[q], self.num_experts if cap is None else cap
+            policy, cap = fetch_limit, fetch_limit.cap
+        table = limit_table(policy, LIMIT_TABLE, self.device)
+        return table, self.num_experts if cap is None else cap
 
     def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor) -> None:
         """slot_of[keys] = slots where fetch, evicting the slots' old owners."""

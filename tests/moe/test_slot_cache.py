@@ -8,6 +8,8 @@ the lower index); misses are fetched most-routed first (then the lower expert id
 
 from __future__ import annotations
 
+import math
+
 import sys
 
 import pytest
@@ -165,6 +167,55 @@ def test_hybrid_split_finishes_first(q):
         f = int(policy(torch.tensor(m)))
         cost = [max(g * (1 - q), (m - g) * q) for g in range(m + 1)]
         assert 0 <= f <= m and cost[f] <= min(cost) + 1e-12, (m, f, cost)
+
+
+def _profile(c1: float, c4: float, f1: float = 38.7, f4: float = 38.7) -> dict:
+    """A bw profile with both job sizes (GB/s of the executor beside the fill, and of the fill
+    beside it), 1.77 MB experts, jobs of 8 and 30 experts."""
+    return {"q_star": f1 / (f1 + c1), "expert_bytes": 1.77e6, "cpu_experts_b1": 8.0,
+            "cpu_experts_b4": 30.0, "cpu_fill_both_gbps": c1, "cpu_fill_both_b4_gbps": c4,
+            "fill_both_gbps": f1, "fill_both_b4_gbps": f4}
+
+
+def test_split_model_fits_the_two_job_sizes():
+    """t0 + n t_e through both measured jobs (float64 against the figures' own times); a
+    profile without the four-token figures (an older one) has no model and keeps floor(q*
+    (M + 1)); equal figures at both sizes give t0 = 0 and the same table as that rule."""
+    from freetoken.moe.policy import SplitModel
+
+    m = SplitModel.from_profile(_profile(109.4, 135.0))
+    us = 1.77e6 / 1e3
+    assert m.cpu_time(8) == pytest.approx(8 * us / 109.4, rel=1e-12)
+    assert m.cpu_time(30) == pytest.approx(30 * us / 135.0, rel=1e-12)
+    assert m.t0 > 0 and m.fill_time(5) == pytest.approx(us / 38.7)
+    old = {k: v for k, v in _profile(109.4, 135.0).items() if "b4" not in k}
+    assert SplitModel.from_profile(old) is None and fetch_policy("hybrid", None, old).model is None
+    flat = fetch_policy("hybrid", None, _profile(109.4, 109.4))
+    assert flat.model is not None and flat.model.t0 == pytest.approx(0.0, abs=1e-9)
+    q = flat.q
+    assert flat.limits(64) == tuple(int(math.floor((k + 1) * q)) for k in range(65))
+    # a larger job reading slower (noise): one figure, no negative fixed cost
+    assert SplitModel.from_profile(_profile(109.4, 90.0)).t0 == 0.0
+
+
+def test_split_model_finishes_first():
+    """With the executor's fixed cost a job (the H200 host's figures: 109 GB/s on 8-expert jobs,
+    135 on 30-expert ones), F(M) minimises the later side's time (brute force over every F),
+    fetches fewer than floor(q* (M + 1)) at batch 4's 27 misses and as many at batch 1's 7;
+    the torch rule reads the same table, under the cap."""
+    prof = _profile(109.4, 135.0)
+    policy = fetch_policy("hybrid", None, prof)
+    m = policy.model
+    for k in range(65):
+        f = policy.limits(k)[k]
+        cost = [max(g * m.fill_time(k - g), m.cpu_time(k - g)) for g in range(k + 1)]
+        assert cost[f] <= min(cost) * (1 + 1e-9), (k, f, cost)
+        assert int(policy(torch.tensor(k))) == f
+    q = prof["q_star"]
+    assert policy.limits(7)[7] == int(8 * q) == 2
+    assert policy.limits(27)[27] == 6 < int(28 * q) == 7
+    assert int(fetch_policy("hybrid", 3, prof)(torch.tensor(27))) == 3
+    assert "F(7) = 2, F(27) = 6" in policy.why
 
 
 if __name__ == "__main__":

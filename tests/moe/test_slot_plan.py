@@ -1,7 +1,8 @@
 """The slot cache's one-launch plan kernel (kernels/triton/slot_plan.py) against the plain-Python
 LRU model of test_slot_cache.py: the same hits, misses, fetches, victims and map after every
-call of a 60-call sequence over three layers, with int limits and with hybrid's q* policy
-(whose rounding, floor((misses + 1) * q) in float64, must match the torch ops' exactly).
+call of a 60-call sequence over three layers, with int limits, with hybrid's q* policy (whose rounding, floor((misses + 1) * q) in
+float64, must match the torch ops' exactly) and with a split model's table of F by miss count
+(policy.SplitModel: an executor with a fixed cost a job).
 Without CUDA the kernel runs in Triton's interpreter (set before triton is imported).
 """
 
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from freetoken.moe.policy import FetchPolicy  # noqa: E402
+from freetoken.moe.policy import FetchPolicy, SplitModel  # noqa: E402
 from freetoken.moe.slot_cache import SlotCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -29,7 +30,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.mark.parametrize("slots,limit,pad,scan", [
     (5, 99, False, None), (12, 1, False, None), (30, 2, False, None), (12, 0.3, False, None),
     (30, 0.5, False, None), (5, 99, True, None), (12, 0.3, True, None), (30, 99, False, 8),
-    (12, 0.5, True, 4)])
+    (12, 0.5, True, 4), (12, "model", False, None), (30, "model", True, 8)])
 def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
     """pad: each call also carries two rows of a CUDA graph's padding past `live` (the
     hand-off's word): the plan must ignore them (the model never sees them). scan: chunks of
@@ -46,8 +47,12 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
     c.warm(banks)
     ref = LruModel(slots)
     ref.warm()
-    policy = FetchPolicy(limit, 2, "test") if isinstance(limit, float) else limit
-    g = torch.Generator().manual_seed(slots * 100 + int(limit * 10))
+    if limit == "model":  # 30 us a job + 12 an expert against 40 a fetch: F(6) = 2 only
+        policy = FetchPolicy(0.3, 2, "test", SplitModel(30.0, 12.0, 8.0, 30.0, 40.0, 40.0))
+        assert policy.limits(6) == (0, 1, 1, 1, 1, 1, 2)
+    else:
+        policy = FetchPolicy(limit, 2, "test") if isinstance(limit, float) else limit
+    g = torch.Generator().manual_seed(slots * 100 + (7 if limit == "model" else int(limit * 10)))
     total = {"hits": 0, "misses": 0, "fetched": 0}
     for step in range(60):
         layer = step % L
@@ -55,9 +60,12 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
         ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
         n_miss = len({e for e in ids.flatten().tolist()} - {e for la, e in ref.table()
                                                              if la == layer})
-        lim = limit if isinstance(limit, int) else min(2, int((n_miss + 1) * limit))
+        if limit == "model":
+            lim = min(2, policy.limits(n_miss)[n_miss])
+        else:
+            lim = limit if isinstance(limit, int) else min(2, int((n_miss + 1) * limit))
         h, m, f = ref.call(layer, ids.flatten().tolist(), lim)
-        q, cap = c._q_cap(policy)
+        table, cap = c._limit_cap(policy)
         live = None
         if pad:  # padding rows route anywhere; only the first T rows are real
             junk = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(2)])
@@ -65,7 +73,7 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
             ids_dev = torch.cat([ids, junk]).to(DEV)
         else:
             ids_dev = ids.to(DEV)
-        fetched = plan_triton(c, layer, ids_dev, q, cap, True, live).cpu()
+        fetched = plan_triton(c, layer, ids_dev, table, cap, True, live).cpu()
         for k, v in zip(("hits", "misses", "fetched"), (h, m, f)):
             total[k] += v
         assert int((fetched[0] >= 0).sum()) == f, f"step {step}"
@@ -96,7 +104,7 @@ def test_plan_kernel_posts_the_cpu_share():
     plain, sending = SlotCache(banks, 12, DEV), SlotCache(banks, 12, DEV)
     plain.warm(banks)
     sending.warm(banks)
-    q, cap = plain._q_cap(FetchPolicy(0.5, 2, "test"))
+    table, cap = plain._limit_cap(FetchPolicy(0.5, 2, "test"))
     off = layout(4, 2, E, 8)
     buf = torch.zeros(off["size"], dtype=torch.uint8, device=DEV)
     seq = torch.zeros(1, dtype=torch.int32, device=DEV)
@@ -109,8 +117,8 @@ def test_plan_kernel_posts_the_cpu_share():
         x = torch.randn(T, 8, generator=g).to(DEV)
         held = {e for e in range(E) if int(plain.slot_of[layer * E + e]) >= 0}
 
-        ref = plan_triton(plain, layer, ids, q, cap, True)
-        got = plan_triton(sending, layer, ids, q, cap, True,
+        ref = plan_triton(plain, layer, ids, table, cap, True)
+        got = plan_triton(sending, layer, ids, table, cap, True,
                           job=job_args(x, ids, w, seq, buf, off, layer, 0, 0))
         assert torch.equal(got, ref), f"step {step}"
         assert _table(sending) == _table(plain)

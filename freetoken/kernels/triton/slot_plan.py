@@ -4,8 +4,9 @@ The torch version is some seventy small tensor ops; on a GPU, launched eagerly, 
 1.7 ms of host time per layer call on the H200 machine (30% of a 2-layer step). Here one
 program does the same, in the same order, with the same results:
 1. clock += 1; count each expert's routes; hits get last_use = clock;
-2. f = min(misses, unprotected slots, limit, n) with limit = floor((misses + 1) * q) capped
-   (q < 0: every miss);
+2. f = min(misses, unprotected slots, limit, n) with limit = table[misses] capped (the
+   policy's F for each miss count, policy.limit_table: floor((misses + 1) * q*), or its
+   split model, or every miss);
 3. f times: the most-routed remaining miss (then the lower id) takes the unprotected slot
    with the smallest last_use * (S + 1) + slot (empty slots first, then the oldest, then the
    lower index), evicting its owner; the slot is stamped with the clock (so protected);
@@ -42,10 +43,10 @@ def _victim(lu, s, clock, S: tl.constexpr):
 
 @triton.jit
 def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counters_ptr,
-                 q_ptr, out_ptr, base, cap, count, N, live_ptr, K,
+                 lim_ptr, out_ptr, base, cap, count, N, live_ptr, K,
                  x_ptr, w_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
                  o_go, o_job, o_ids, o_w, o_map, o_x,
-                 S: tl.constexpr, E: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
+                 S: tl.constexpr, E: tl.constexpr, LT: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
                  NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr,
                  SEND: tl.constexpr = False, H: tl.constexpr = 1, BLOCK: tl.constexpr = 512,
                  ASM: tl.constexpr = True, ROUNDS_IDS: tl.constexpr = 0,
@@ -56,7 +57,8 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     never = 0x7FFFFFFFFFFFFFFF
     # the loads that do not depend on each other first
     clock = tl.load(clock_ptr) + 1
-    q = tl.load(q_ptr)
+    lt = tl.arange(0, LT)
+    limits = tl.load(lim_ptr + lt)  # [LT] F by miss count, in registers before it is known
     e = tl.arange(0, EB)
     e_ok = e < E
     r = tl.arange(0, RB)
@@ -72,9 +74,7 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     tl.debug_barrier()
-    limit = n_miss.to(tl.int64)
-    if q >= 0:
-        limit = tl.floor((n_miss + 1).to(tl.float64) * q).to(tl.int64)  # policy.py
+    limit = tl.sum(tl.where(lt == tl.minimum(n_miss, LT - 1), limits, 0), axis=0).to(tl.int64)
     limit = tl.maximum(tl.minimum(limit, cap), 0)
     # the last_use of every slot, in registers when one chunk holds them (no reloads below)
     s1 = tl.arange(0, SB)
@@ -152,10 +152,11 @@ def scan_shape(S: int) -> tuple[int, int]:
     return sb, 4 if sb <= 1024 else 8
 
 
-def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
+def plan_triton(cache, layer: int, ids: torch.Tensor, limits: torch.Tensor, cap: int,
                 count: bool, live: torch.Tensor | None = None, job=None) -> torch.Tensor:
-    """fetched int64 [2, n] for `SlotCache.plan` (see there); q: float64 [1] on the device
-    (< 0: every miss), cap: the most to fetch. Route and fetch counts are compiled in as
+    """fetched int64 [2, n] for `SlotCache.plan` (see there); limits: int32 [LT] on the device,
+    LT a power of two above MAX_ROUTES (policy.limit_table: F for each miss count), cap: the
+    most to fetch. Route and fetch counts are compiled in as
     powers of two only: offload's later rounds plan other counts, and with the exact count
     compiled in, its batch-4 steps in a 2-layer smoke run took 58 ms compiling (7.6 ms with
     powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's
@@ -163,6 +164,10 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
     are ignored. job: the hand-off's job of this call (`handoff.job_args`), posted by the same
     launch once the fetches are chosen."""
     E, S = cache.num_experts, cache.num_slots
+    LT = limits.numel()
+    if LT & (LT - 1) or LT <= MAX_ROUTES or limits.dtype != torch.int32:
+        raise ValueError(f"plan_triton: limits must be int32 of a power-of-two length above "
+                         f"{MAX_ROUTES}, got {limits.dtype} [{LT}]")
     flat = ids.reshape(-1)
     R = flat.numel()
     n = min(E, R)
@@ -175,9 +180,9 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, q: torch.Tensor, cap: int,
         consts = dict(consts, **interp_rounds(args[10], consts["K"], consts["H"], JOB_BLOCK))
     sb, warps = scan_shape(S)
     _plan_kernel[(1,)](
-        flat, R, cache.slot_of, cache.owner, cache.last_use, cache.clock, cache.counters, q,
-        out, layer * E, min(cap, n), int(count), n, live if live is not None else out,
-        ids.shape[1] if ids.dim() == 2 else 1, *send, S=S, E=E, EB=triton.next_power_of_2(E),
+        flat, R, cache.slot_of, cache.owner, cache.last_use, cache.clock, cache.counters,
+        limits, out, layer * E, min(cap, n), int(count), n, live if live is not None else out,
+        ids.shape[1] if ids.dim() == 2 else 1, *send, S=S, E=E, LT=LT, EB=triton.next_power_of_2(E),
         RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
         HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
         ROUNDS_IDS=consts.get("ROUNDS_IDS", 0), ROUNDS_X=consts.get("ROUNDS_X", 0),
