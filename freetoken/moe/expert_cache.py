@@ -33,7 +33,7 @@ from freetoken.kernels.moe import fused_moe
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.handoff import Handoff
 from freetoken.moe.host_banks import executor_bank
-from freetoken.moe.policy import FetchPolicy
+from freetoken.moe.policy import FetchPolicy, prepare_limit_tables
 from freetoken.moe.slot_cache import SlotCache
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ class ExpertCache:
         self.cache.warm(hosts)
         self.fetch_limit = fetch_limit
         self.device = torch.device(device)
+        if self.device.type == "cuda":  # its device tables, before any graph is captured
+            prepare_limit_tables(fetch_limit, self.device)
         self.top_k = top_k
         self.fetch_all = getattr(fetch_limit, "q", 0.0) is None  # offload: nothing to the CPU
         self.never_fetches = getattr(fetch_limit, "cap", None) == 0  # cpu, or a hybrid cap of 0

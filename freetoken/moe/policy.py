@@ -208,9 +208,23 @@ def limit_table(policy: FetchPolicy | None, size: int, device) -> torch.Tensor:
     model = None if policy is None else policy.model
     key = (q, model, size, str(torch.device(device)))
     if key not in _TABLES:
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"limit_table: the fetch table of {policy!r} ({size} entries) "
+                               "was not made before CUDA graph capture "
+                               "(prepare_limit_tables at set-up)")
         _TABLES[key] = torch.tensor(_limits(q, model, size - 1), dtype=torch.int32,
                                     device=device)
     return _TABLES[key]
+
+
+def prepare_limit_tables(policy, device) -> None:
+    """Make the tables a slot cache on `device` reads with `policy` (a FetchPolicy, or an int
+    limit: every miss), before any CUDA graph is captured: the plan kernel's, every miss's
+    (offload's later rounds) and the torch plan's (calls of more routes, such as a decode
+    graph of 16 tokens)."""
+    rule = policy if isinstance(policy, FetchPolicy) else None
+    for p, size in ((None, LIMIT_TABLE), (rule, LIMIT_TABLE), (rule, TORCH_LIMIT_TABLE)):
+        limit_table(p, size, device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -138,23 +138,36 @@ def test_graphs_give_the_eager_tokens(model):
 
 
 @needs_cuda
-@pytest.mark.parametrize("side_stream,receive_shared", [("1", "1"), ("0", "1"), ("1", "0")])
-def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, monkeypatch):
+@pytest.mark.parametrize("side_stream,receive_shared,split",
+                         [("1", "1", False), ("0", "1", True), ("1", "0", False)])
+def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, split,
+                                                   monkeypatch):
     """The hybrid backend on a model with a shared expert (the 35B shape, 4 layers, float32):
     graphed decode steps (the CPU hand-off, slot fills and, by default, the shared expert on a
     second stream beside them: FREETOKEN_GPU_SIDE_STREAM, added with its gate inside the
     receive kernel: FREETOKEN_GPU_RECEIVE_SHARED) give the eager steps' tokens, and the shared
-    expert's stream changes no token (the same kernels on the same inputs)."""
+    expert's stream changes no token (the same kernels on the same inputs). split: with a bw
+    profile of both job sizes (policy.SplitModel's fetch tables) and graphs up to 16 rows,
+    whose 128 routes take the torch plan inside the capture."""
+    from freetoken.moe import runtime
+
     monkeypatch.setenv("FREETOKEN_GPU_SIDE_STREAM", side_stream)
     monkeypatch.setenv("FREETOKEN_GPU_RECEIVE_SHARED", receive_shared)
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
     kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, moe_backend="hybrid",
-              moe_cache_rate=0.25, max_running_requests=4)
+              moe_cache_rate=0.25, max_running_requests=16 if split else 4)
+    if split:
+        prof = {"q_star": 0.28, "expert_bytes": 1.77e6, "cpu_experts_b1": 8.0,
+                "cpu_experts_b4": 30.0, "cpu_fill_both_gbps": 100.9,
+                "cpu_fill_both_b4_gbps": 116.7, "fill_both_gbps": 38.7,
+                "fill_both_b4_gbps": 38.6}  # the H200 host's figures of 2026-12-02
+        monkeypatch.setattr(runtime, "find_profile", lambda fmt: prof)
     eager = dummy_engine(disable_cuda_graph=True, **kw)
     want = generate(eager, params)
     eager.moe.close()  # its CPU worker and pool, before the next engine starts its own
     graphed = dummy_engine(**kw)
     assert graphed.runner.graphs is not None
+    assert (graphed.moe.policy.model is not None) == split
     assert (graphed.moe.cache.side_stream is not None) == (side_stream == "1")
     replays = count_replays(graphed)
     assert generate(graphed, params) == want
