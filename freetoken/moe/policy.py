@@ -189,7 +189,10 @@ class FetchPolicy:
             f = torch.floor((misses.double() + 1) * self.q).long()  # the module doc's rule
         else:
             table = limit_table(self, TORCH_LIMIT_TABLE, misses.device)
-            f = table[torch.as_tensor(misses).long().clamp(0, TORCH_LIMIT_TABLE - 1)].long()
+            # take, not table[m]: indexing with a 0-dim tensor reads it on the host (a sync,
+            # refused inside a CUDA graph's capture)
+            f = torch.take(table, torch.as_tensor(misses).long().clamp(0, TORCH_LIMIT_TABLE - 1))
+            f = f.long()
         return f if self.cap is None else f.clamp(max=self.cap)
 
 
