@@ -128,7 +128,7 @@ class SplitModel:
     fill4: float
 
     @classmethod
-    def from_profile(cls, prof: dict) -> "SplitModel | None":
+    def from_profile(cls, prof: dict) -> SplitModel | None:
         """The model of a profile with both job sizes' figures (while the fill runs), else
         None (an older profile, or figures that give no positive per-expert time)."""
         try:

@@ -9,7 +9,6 @@ the lower index); misses are fetched most-routed first (then the lower expert id
 from __future__ import annotations
 
 import math
-
 import sys
 
 import pytest

@@ -1,8 +1,8 @@
 """The slot cache's one-launch plan kernel (kernels/triton/slot_plan.py) against the plain-Python
 LRU model of test_slot_cache.py: the same hits, misses, fetches, victims and map after every
-call of a 60-call sequence over three layers, with int limits, with hybrid's q* policy (whose rounding, floor((misses + 1) * q) in
-float64, must match the torch ops' exactly) and with a split model's table of F by miss count
-(policy.SplitModel: an executor with a fixed cost a job).
+call of a 60-call sequence over three layers, with int limits, with hybrid's q* policy (whose
+rounding, floor((misses + 1) * q) in float64, must match the torch ops' exactly) and with a split
+model's table of F by miss count (policy.SplitModel: an executor with a fixed cost a job).
 Without CUDA the kernel runs in Triton's interpreter (set before triton is imported).
 """
 

@@ -46,8 +46,8 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, clock_ptr, counte
                  lim_ptr, out_ptr, base, cap, count, N, live_ptr, K,
                  x_ptr, w_ptr, seq_ptr, hi32, hf32, hx, layer, act, xdt, T,
                  o_go, o_job, o_ids, o_w, o_map, o_x,
-                 S: tl.constexpr, E: tl.constexpr, LT: tl.constexpr, EB: tl.constexpr, RB: tl.constexpr,
-                 NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr,
+                 S: tl.constexpr, E: tl.constexpr, LT: tl.constexpr, EB: tl.constexpr,
+                 RB: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr,
                  SEND: tl.constexpr = False, H: tl.constexpr = 1, BLOCK: tl.constexpr = 512,
                  ASM: tl.constexpr = True, ROUNDS_IDS: tl.constexpr = 0,
                  ROUNDS_X: tl.constexpr = 0):
