@@ -76,7 +76,7 @@ CASES.update({
 })
 _PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
               "last_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64",
-              "q_ptr": "*fp64", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,
+              "lim_ptr": "*i32", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,
               "w_ptr": "*fp32", "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32", "hx": _BF}
 # one chunk in registers (S <= SCAN) and several chunks; with and without SEND. SB, BLOCK and
 # the warps are plan_triton's (`slot_plan.scan_shape`, JOB_BLOCK), filled in by the child: this
@@ -84,7 +84,7 @@ _PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
 CASES.update({
     f"slot-plan-S{S}-send{send}": (
         "freetoken.kernels.triton.slot_plan", "_plan_kernel", _PLAN_PTRS,
-        dict(S=S, E=256, EB=256, RB=32, NB=32, HAS_LIVE=True, SEND=send, H=2048), (), None)
+        dict(S=S, E=256, LT=128, EB=256, RB=32, NB=32, HAS_LIVE=True, SEND=send, H=2048), (), None)
     for S in (1000, 2560, 9000) for send in (False, True)
 })
 
