@@ -20,7 +20,9 @@ hybrid at cache rate 0.1). Where `ft bench bw` also measured jobs of four tokens
 fits the executor's time of a job of n experts as t0 + n * t_e from the two job sizes (and the
 fill's time per expert between them), and F(M) is the integer that finishes first under it:
 the later of F * t_fill and t0 + (M - F) * t_e smallest, the larger F among equals (with
-t0 = 0 and one fill figure this is floor(q* (M + 1)) again).
+t0 = 0 and one fill figure this is floor(q* (M + 1)) again). The bench's layer has its own
+expert size; for a model's experts of another size the per-expert times scale by the ratio and
+t0 stays (Qwen3-30B-A3B's 2048x768 experts are 1.5 times the bench's 2048x512).
 """
 
 from __future__ import annotations
@@ -128,9 +130,12 @@ class SplitModel:
     fill4: float
 
     @classmethod
-    def from_profile(cls, prof: dict) -> SplitModel | None:
+    def from_profile(cls, prof: dict, expert_bytes: float | None = None) -> SplitModel | None:
         """The model of a profile with both job sizes' figures (while the fill runs), else
-        None (an older profile, or figures that give no positive per-expert time)."""
+        None (an older profile, or figures that give no positive per-expert time). The bench
+        measures its own layer's experts; for a model whose experts are `expert_bytes` each,
+        the per-expert times (the executor's and the fill's) scale by the ratio of the sizes
+        and a job's fixed cost t0 stays."""
         try:
             b = float(prof["expert_bytes"])
             n1, n4 = float(prof["cpu_experts_b1"]), float(prof["cpu_experts_b4"])
@@ -146,7 +151,8 @@ class SplitModel:
         t0 = t1 - n1 * t_e
         if t_e <= 0 or t0 < 0:  # noise, or a larger job reading slower: one figure (q*)
             t0, t_e = 0.0, us / c1
-        return cls(t0, t_e, n1, n4, us / f1, us / f4)
+        r = 1.0 if expert_bytes is None else float(expert_bytes) / b
+        return cls(t0, t_e * r, n1, n4, us / f1 * r, us / f4 * r)
 
     def fill_time(self, n_cpu: int) -> float:
         a = min(1.0, max(0.0, (n_cpu - self.n1) / (self.n4 - self.n1)))
@@ -239,9 +245,12 @@ def _limits(q: float | None, model: SplitModel | None, n: int) -> tuple[int, ...
     return tuple(model.fetches(m) for m in range(n + 1))
 
 
-def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None) -> FetchPolicy:
+def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None,
+                 expert_bytes: float | None = None) -> FetchPolicy:
     """offload: all; cpu: none; hybrid: q* M from the profile, capped by max_fetch (0 = none
-    fetched, -1 / None = no cap beyond the profile's), or DEFAULT_Q capped at DEFAULT_CAP."""
+    fetched, -1 / None = no cap beyond the profile's), or DEFAULT_Q capped at DEFAULT_CAP.
+    `expert_bytes`: the model's bytes an expert, to which the split model scales the bench's
+    per-expert times (None: the bench's own experts)."""
     if backend == "offload":
         return FetchPolicy(None, None, "offload: every miss fetched")
     if backend == "cpu":
@@ -256,12 +265,15 @@ def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None) -> F
         busy = (f" (measured while this machine's memory bandwidth varied: its executor "
                 f"rounds {spread:.0%} apart; run `ft bench bw` again on a quiet machine)"
                 if spread > SPREAD_WARN else "")
-        model = SplitModel.from_profile(profile)
+        model = SplitModel.from_profile(profile, expert_bytes)
         split = ""
         if model is not None:
             f = _limits(q, model, 32)
-            split = (f"; fetches by job size (executor {model.t0:.0f} us + {model.t_e:.1f} us "
-                     f"an expert): F(7) = {f[7]}, F(27) = {f[27]}")
+            size = ("" if expert_bytes is None else
+                    f" of {expert_bytes / 1e6:.2f} MB experts (the bench's: "
+                    f"{float(profile['expert_bytes']) / 1e6:.2f} MB)")
+            split = (f"; fetches by job size{size} (executor {model.t0:.0f} us + "
+                     f"{model.t_e:.1f} us an expert): F(7) = {f[7]}, F(27) = {f[27]}")
         return FetchPolicy(q, cap, f"hybrid: q* = {q:.2f} from the ft bench bw profile" + split
                            + (f", at most {cap} per layer" if cap is not None else "") + busy,
                            model)

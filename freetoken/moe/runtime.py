@@ -129,7 +129,8 @@ class MoERuntime:
         self.num_slots, sizing = num_slots(total, spec.top_k, config.moe_cache_size,
                                            config.moe_cache_rate, fits)
         prof = find_profile(expert_format(hosts[0])) if backend == "hybrid" else None
-        self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof)
+        per_expert = sum(bank_bytes(h) for h in hosts) / total
+        self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof, per_expert)
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
                                  config.moe_cpu_threads, spec.top_k)
         self.prefill.attach(self.cache.cache)

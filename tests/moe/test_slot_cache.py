@@ -217,5 +217,40 @@ def test_split_model_finishes_first():
     assert "F(7) = 2, F(27) = 6" in policy.why
 
 
+def test_split_model_scales_to_the_model_experts():
+    """`ft bench bw` measures 1.77 MB experts (the 2048x512 layer); a model of 2.65 MB experts
+    (Qwen3-30B-A3B: 2048x768) reads and fetches each expert 1.5 times as long, while a job's
+    fixed cost t0 stays. F(M) is then the brute-force best under those scaled times (float64),
+    differs from the unscaled table where t0's weight matters, and experts of the profile's
+    own size give the unscaled model."""
+    from freetoken.moe.policy import SplitModel
+
+    prof = _profile(89.7, 122.0, 42.6, 40.2)  # the NVFP4 figures of an H200 host (12-03)
+    base = SplitModel.from_profile(prof)
+    assert SplitModel.from_profile(prof, 1.77e6) == base
+    big = SplitModel.from_profile(prof, 2.65e6)
+    r = 2.65e6 / 1.77e6
+    assert big.t0 == base.t0 > 0
+    assert big.t_e == pytest.approx(base.t_e * r, rel=1e-12)
+    assert big.fill_time(3) == pytest.approx(base.fill_time(3) * r, rel=1e-12)
+    assert big.fill_time(40) == pytest.approx(base.fill_time(40) * r, rel=1e-12)
+    policy = fetch_policy("hybrid", None, prof, 2.65e6)
+    assert policy.model == big and "2.65 MB experts" in policy.why
+    for k in range(65):
+        f = policy.limits(k)[k]
+        n1, n4 = 8.0, 30.0
+        cost = []
+        for g in range(k + 1):  # the module doc's times, written out in float64
+            n = k - g
+            a = min(1.0, max(0.0, (n - n1) / (n4 - n1)))
+            fill = 2.65e3 * ((1 - a) / 42.6 + a / 40.2)
+            t1, t4 = n1 * 1.77e3 / 89.7, n4 * 1.77e3 / 122.0
+            t_e = (t4 - t1) / (n4 - n1)
+            cpu = 0.0 if n == 0 else (t1 - n1 * t_e) + n * t_e * r
+            cost.append(max(g * fill, cpu))
+        assert cost[f] <= min(cost) * (1 + 1e-9), (k, f, cost)
+    assert policy.limits(64) != fetch_policy("hybrid", None, prof).limits(64)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
