@@ -224,11 +224,7 @@ def moe_side_gbps(backend: str, profile: dict | None) -> float | None:
 
 def moe_expert_bytes(engine) -> tuple[int, float]:
     """(routed experts in the model, mean bytes of one) from the expert cache's host banks."""
-    from freetoken.moe.host_banks import bank_bytes
-
-    hosts = engine.moe.cache.hosts
-    total = sum(h.num_experts for h in hosts)
-    return total, sum(bank_bytes(h) for h in hosts) / total
+    return engine.moe.experts, engine.moe.expert_bytes
 
 
 def moe_decode_ceiling(engine, batch: int, rate: float, gbps: float | None) -> float | None:

@@ -129,22 +129,24 @@ class MoERuntime:
         self.num_slots, sizing = num_slots(total, spec.top_k, config.moe_cache_size,
                                            config.moe_cache_rate, fits)
         prof = find_profile(expert_format(hosts[0])) if backend == "hybrid" else None
-        per_expert = sum(bank_bytes(h) for h in hosts) / total
-        self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof, per_expert)
+        # routed experts and their mean bytes (host banks), for the split and the benches
+        self.experts, self.host_bytes = total, sum(bank_bytes(h) for h in hosts)
+        self.expert_bytes = self.host_bytes / total
+        self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof,
+                                   self.expert_bytes)
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
                                  config.moe_cpu_threads, spec.top_k)
         self.prefill.attach(self.cache.cache)
         self.cache.prefill = self.prefill
         for i, m in enumerate(mods):
             m.backend = LayerBackend(self.cache, i)
-        self._report(hosts, total, sizing, device)
+        self._report(total, sizing, device)
         self.log_interval = getattr(config, "decode_log_interval", 0) or 0
         self._steps, self._tokens = 0, 0
         self._t0: float | None = None
         self._last = self.counters()
 
-    def _report(self, hosts, total: int, sizing: str, device: torch.device) -> None:
-        host = sum(bank_bytes(h) for h in hosts)
+    def _report(self, total: int, sizing: str, device: torch.device) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
         dev = (f", device memory {torch.cuda.memory_allocated(device) / GiB:.2f} GiB allocated"
                if device.type == "cuda" else "")
@@ -155,8 +157,8 @@ class MoERuntime:
                     self.num_slots, self.cache.cache.slot_bytes / 2**20, sizing,
                     self.cache.cache.nbytes / GiB, device, len(pre.buffers),
                     pre.buffer_bytes / GiB, "" if pre.overlap else " (no overlap)",
-                    ", hits copied from slots" if pre.hit_d2d else "", host / GiB, peak, dev,
-                    self.policy.why)
+                    ", hits copied from slots" if pre.hit_d2d else "",
+                    self.host_bytes / GiB, peak, dev, self.policy.why)
 
     def counters(self) -> dict[str, int]:
         return self.cache.counters()

@@ -236,17 +236,20 @@ def test_split_model_scales_to_the_model_experts():
     assert big.fill_time(40) == pytest.approx(base.fill_time(40) * r, rel=1e-12)
     policy = fetch_policy("hybrid", None, prof, 2.65e6)
     assert policy.model == big and "2.65 MB experts" in policy.why
+    # the module doc's times, written out in float64: the fit on the bench's experts, then
+    # the per-expert times scaled by r
+    n1, n4 = 8.0, 30.0
+    t1, t4 = n1 * 1.77e3 / 89.7, n4 * 1.77e3 / 122.0
+    t_e = (t4 - t1) / (n4 - n1)
+    t0 = t1 - n1 * t_e
     for k in range(65):
         f = policy.limits(k)[k]
-        n1, n4 = 8.0, 30.0
         cost = []
-        for g in range(k + 1):  # the module doc's times, written out in float64
+        for g in range(k + 1):
             n = k - g
             a = min(1.0, max(0.0, (n - n1) / (n4 - n1)))
             fill = 2.65e3 * ((1 - a) / 42.6 + a / 40.2)
-            t1, t4 = n1 * 1.77e3 / 89.7, n4 * 1.77e3 / 122.0
-            t_e = (t4 - t1) / (n4 - n1)
-            cpu = 0.0 if n == 0 else (t1 - n1 * t_e) + n * t_e * r
+            cpu = 0.0 if n == 0 else t0 + n * t_e * r
             cost.append(max(g * fill, cpu))
         assert cost[f] <= min(cost) * (1 + 1e-9), (k, f, cost)
     assert policy.limits(64) != fetch_policy("hybrid", None, prof).limits(64)
