@@ -151,6 +151,7 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     if ho is None:
         return ""
     c0 = moe.counters()
+    p0 = ho.prefetch_stats()
     ho.set_trace(True)
     if on_cuda:
         torch.cuda.synchronize()
@@ -165,6 +166,7 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     ho.set_trace(False)
     w1 = ho.device_waits()
     c1 = moe.counters()
+    p1 = ho.prefetch_stats()
     if len(tr) == 0:
         return "\nhand-off: no jobs in these steps"
     seen, f0, f1, done, rows, routes = tr.T
@@ -187,6 +189,12 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
         us, calls = w1[0] - w0[0], w1[1] - w0[1]
         lines.append(f"{'device waiting for the answers (receive)':<44} {us / steps:>9.1f} "
                      f"{us / max(calls, 1):>9.1f} {100 * us / steps / wall:>7.1f}%")
+    pf = {k: p1[k] - p0[k] for k in p1}
+    if pf["hints"]:  # warming (moe/handoff.py): the next layer's predicted CPU experts
+        lines.append(f"warming: {pf['hints'] / steps:.1f} hints per step, "
+                     f"{pf['warmed'] / pf['hints']:.2f} experts warmed per hint; of them "
+                     f"{pf['used'] / max(pf['warmed'], 1):.0%} computed by the next job, "
+                     f"{pf['used'] / max(pf['cpu'], 1):.0%} of its CPU experts")
     busy = f1 > f0
     if busy.any():
         b0 = ho._banks[0]

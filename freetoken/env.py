@@ -99,6 +99,13 @@ def gpu_side_stream() -> bool:
     return _unless_off("FREETOKEN_GPU_SIDE_STREAM")
 
 
+def moe_prefetch() -> bool:
+    """FREETOKEN_MOE_PREFETCH=0: with the cpu and hybrid backends, the CPU hand-off's worker
+    does not warm the next layer's predicted CPU experts into the executor threads' caches
+    between jobs (`moe/handoff.py`: warming)."""
+    return _unless_off("FREETOKEN_MOE_PREFETCH")
+
+
 def gpu_receive_shared() -> bool:
     """FREETOKEN_GPU_RECEIVE_SHARED=0: with the offload, cpu and hybrid backends on a GPU, where
     a layer call receives the CPU's answer, the shared expert computed on its side stream is

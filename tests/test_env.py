@@ -17,6 +17,7 @@ SWITCHES = {
     "FREETOKEN_GPU_DOWN_SUM": env.gpu_down_arrive_sum,
     "FREETOKEN_GPU_SIDE_STREAM": env.gpu_side_stream,
     "FREETOKEN_GPU_RECEIVE_SHARED": env.gpu_receive_shared,
+    "FREETOKEN_MOE_PREFETCH": env.moe_prefetch,
 }
 
 

@@ -162,6 +162,7 @@ NB_MODULE(_cpu_moe, m) {
             l.weights = get("weights"), l.map = get("map"), l.x = get("x"), l.out = get("out");
             l.max_tokens = get("max_tokens"), l.top_k = get("top_k");
             l.num_experts = get("num_experts"), l.hidden = get("hidden");
+            if (offsets.contains("hint")) l.hint = get("hint"), l.hint_max = get("hint_max");
             new (w) ft::HandoffWorker(&ex, ptr<uint8_t>(buf), l, spin_us);
           },
           nb::keep_alive<1, 2>())
@@ -174,7 +175,9 @@ NB_MODULE(_cpu_moe, m) {
       .def_prop_ro("last_error", &ft::HandoffWorker::last_error)
       .def_prop_ro("jobs", &ft::HandoffWorker::jobs)
       .def("set_trace", &ft::HandoffWorker::set_trace)
-      .def("trace", &ft::HandoffWorker::trace);
+      .def("trace", &ft::HandoffWorker::trace)
+      .def("set_prefetch", &ft::HandoffWorker::set_prefetch)
+      .def("prefetch_stats", &ft::HandoffWorker::prefetch_stats);
 
   m.def("supported_tiers", &ft::supported_tiers);
   m.def("core_clock_ghz", &ft::core_clock_ghz, nb::arg("seconds") = 0.05,

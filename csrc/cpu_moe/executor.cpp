@@ -89,6 +89,18 @@ struct SlotSplit {
   }
 };
 
+// Thread `t`'s slot of a SlotSplit over `rows` rows for `threads` threads: rows [a, b)
+// (slot_split's boundaries; a == b past its last slot).
+static void slot_rows(int64_t rows, int threads, int64_t t, int64_t& a, int64_t& b) {
+  const int64_t slots = std::max<int64_t>(1, std::min<int64_t>(threads, rows / 4));
+  if (t >= slots) {
+    a = b = rows;
+    return;
+  }
+  a = rows * t / slots / 4 * 4;
+  b = t + 1 == slots ? rows : rows * (t + 1) / slots / 4 * 4;
+}
+
 // Slots at [rows * t / slots] and units at [(b - a) * u / units] inside them, all rounded down
 // to 4 rows; `bound` receives slots * units + 1 entries.
 static SlotSplit slot_split(int64_t rows, int64_t row_bytes, int64_t nact, int threads,
@@ -97,8 +109,8 @@ static SlotSplit slot_split(int64_t rows, int64_t row_bytes, int64_t nact, int t
   const int64_t units = std::max<int64_t>(
       1, std::min<int64_t>(rows / slots / 4, (rows / slots * row_bytes + kUnitBytes / 2) / kUnitBytes));
   for (int64_t t = 0; t < slots; ++t) {
-    const int64_t a = rows * t / slots / 4 * 4;
-    const int64_t b = t + 1 == slots ? rows : rows * (t + 1) / slots / 4 * 4;
+    int64_t a, b;
+    slot_rows(rows, threads, t, a, b);
     for (int64_t u = 0; u < units; ++u) bound[t * units + u] = a + (b - a) * u / units / 4 * 4;
   }
   bound[slots * units] = rows;
@@ -294,6 +306,61 @@ void Executor::set_profiling(bool on) {
   prof_last_.assign(pool_.size(), Clock::time_point{});
   prof_span_ = 0;
   prof_calls_ = 0;
+}
+
+// Block-scale bytes of rows [r0, r1) of expert e (their start in *p); 0 for formats whose
+// scales are inside the rows or too small to matter (FP8's one float per 128 x 128 block).
+static int64_t scale_span(const Bank& w, int64_t e, int64_t r0, int64_t r1, const uint8_t** p) {
+  const int64_t per_row = w.fmt == Fmt::NVFP4 ? w.K / 16 : w.fmt == Fmt::MXFP4 ? w.K / 32 : 0;
+  if (!per_row || !w.scales) return 0;
+  *p = w.scales + (e * w.N + r0) * per_row;
+  return (r1 - r0) * per_row;
+}
+
+// Reads [p, p + n) a cache line at a time with prefetches 2 KiB ahead into L2, in pieces of
+// kWarmChunk bytes, stopping between pieces once *stop != v. Returns false if it stopped.
+constexpr int64_t kWarmChunk = 8 << 10;
+static bool warm_span(const uint8_t* p, int64_t n, const uint32_t* stop, uint32_t v,
+                      uint64_t& sink) {
+  for (int64_t c = 0; c < n; c += kWarmChunk) {
+    if (__atomic_load_n(stop, __ATOMIC_RELAXED) != v) return false;
+    const int64_t end = std::min(n, c + kWarmChunk);
+    for (int64_t i = c; i < end; i += 64) {
+      if (i + 2048 < n) prefetch_lines_l2(p + i + 2048, 1);
+      sink ^= *reinterpret_cast<const volatile uint64_t*>(p + i);
+    }
+  }
+  return true;
+}
+
+int64_t Executor::warm(const Bank& w13, const Bank& w2, const int32_t* experts, int64_t n,
+                       const uint32_t* stop, uint32_t stop_value) {
+  if (n <= 0) return 0;
+  const int threads = pool_.size();
+  std::vector<int64_t> done(threads, 0);
+  pool_.run_per_thread([&](int tid) {
+    uint64_t sink = 0;
+    int64_t i = 0;
+    for (; i < n; ++i) {
+      const int64_t e = experts[i];
+      if (e < 0 || e >= w13.E) continue;
+      bool go_on = true;
+      for (const Bank* w : {&w13, &w2}) {
+        int64_t a, b;
+        slot_rows(w->N, threads, tid, a, b);
+        if (a >= b) continue;
+        const uint8_t* sp = nullptr;
+        const int64_t ns = scale_span(*w, e, a, b, &sp);
+        go_on = warm_span(w->row(e, a), (b - a) * w->row_bytes, stop, stop_value, sink) &&
+                (ns == 0 || warm_span(sp, ns, stop, stop_value, sink));
+        if (!go_on) break;
+      }
+      if (!go_on) break;
+    }
+    done[tid] = i;
+    g_sink.fetch_xor(sink, std::memory_order_relaxed);
+  });
+  return *std::min_element(done.begin(), done.end());
 }
 
 // Pairs (t, j) sorted by expert (stable): one expert's tokens are contiguous.

@@ -126,6 +126,15 @@ class Executor {
   // cache already holding their keys and values.
   void decode_attend(const DecodeAttnArgs& a, int64_t row);
 
+  // Brings into each pool thread's caches its own share of experts[0..n)'s w13 and w2 rows
+  // (the rows forward()'s layer run gives that thread: one slot of SlotSplit) and their
+  // block scales, expert after expert, w13 then w2, until *stop no longer equals stop_value
+  // (checked every few KiB). Returns how many experts every thread finished. The hand-off
+  // worker warms the experts the next layer is predicted to give the CPU while the device
+  // works, so that their rows come from the cache instead of DRAM (handoff.h).
+  int64_t warm(const Bank& w13, const Bank& w2, const int32_t* experts, int64_t n,
+               const uint32_t* stop, uint32_t stop_value);
+
   // Hooks for tests and the benchmark.
   // out[t, n] = x[t] . W[e, n] for all rows n of expert e (the tier's activation prep
   // included); rows split over `threads` threads (<= num_threads).

@@ -116,6 +116,7 @@ void HandoffWorker::loop(uint32_t last) {
       last = n;
       jobs_.fetch_add(1, std::memory_order_relaxed);
       store_release(buf_ + lay_.done, n);
+      if (lay_.hint && prefetch_.load(std::memory_order_relaxed)) warm_next(n);
       idle_since = now_us();
       if (tracing_.load(std::memory_order_relaxed) && trace_.size() < 6 * kTraceCap)
         trace_.insert(trace_.end(), {seen, t_fwd0_, t_fwd1_, idle_since,
@@ -130,6 +131,57 @@ void HandoffWorker::loop(uint32_t last) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
+}
+
+void HandoffWorker::set_prefetch(bool on, const std::vector<int32_t>& fetch_table) {
+  fetch_table_ = fetch_table;
+  warmed_layer_ = -1;
+  prefetch_.store(on);
+}
+
+std::vector<int64_t> HandoffWorker::prefetch_stats() const {
+  std::vector<int64_t> v(4);
+  for (int i = 0; i < 4; ++i) v[i] = stats_[i].load(std::memory_order_relaxed);
+  return v;
+}
+
+void HandoffWorker::warm_next(uint32_t n) {
+  const auto* h = reinterpret_cast<const int32_t*>(buf_ + lay_.hint);
+  warmed_layer_ = -1;
+  if (load_acquire(buf_ + lay_.hint) != n) return;  // no hint for this job (or a late one)
+  const int64_t layer = h[1];
+  const int64_t misses = std::max<int32_t>(0, h[2]);  // predicted; the first hint_max listed
+  const int64_t count = std::min<int64_t>(misses, lay_.hint_max);
+  if (layer < 0 || static_cast<size_t>(layer) >= layers_.size() || !layers_[layer].set) return;
+  int64_t skip = 0;
+  if (!fetch_table_.empty())
+    skip = fetch_table_[std::min<int64_t>(misses, fetch_table_.size() - 1)];
+  skip = std::max<int64_t>(0, std::min(skip, count));
+  // a copy: the producer may write the next hint while this one is warmed
+  warmed_ids_.assign(h + 4 + skip, h + 4 + count);
+  const LayerBanks& b = layers_[layer];
+  const int64_t got = ex_->warm(b.w13, b.w2, warmed_ids_.data(), count - skip,
+                                reinterpret_cast<const uint32_t*>(buf_ + lay_.go), n);
+  warmed_ids_.resize(got);
+  warmed_layer_ = layer;
+  stats_[0].fetch_add(1, std::memory_order_relaxed);
+  stats_[1].fetch_add(got, std::memory_order_relaxed);
+}
+
+// The accuracy of the last warming: which of this job's CPU experts were warmed.
+void HandoffWorker::count_warmed(const int32_t* ids, const int32_t* map, int64_t live) {
+  const int64_t k = lay_.top_k, E = lay_.num_experts;
+  seen_.assign(E, 0);
+  int64_t cpu = 0, used = 0;
+  for (int64_t i = 0; i < live * k; ++i) {
+    const int32_t id = ids[i];
+    if (id < 0 || id >= E || map[id] >= 0 || seen_[id]) continue;
+    seen_[id] = 1, ++cpu;
+  }
+  for (int32_t id : warmed_ids_) used += id >= 0 && id < E && seen_[id] == 1;
+  stats_[2].fetch_add(used, std::memory_order_relaxed);
+  stats_[3].fetch_add(cpu, std::memory_order_relaxed);
+  warmed_layer_ = -1;
 }
 
 void HandoffWorker::run_job() {
@@ -169,6 +221,7 @@ void HandoffWorker::run_job() {
     }
     if (c) rows_.push_back(t), kk = std::max(kk, c), routes_ += c;
   }
+  if (layer == warmed_layer_) count_warmed(ids, map, live);
   const int64_t R = static_cast<int64_t>(rows_.size());
   if (R == 0) return;
   idc_.resize(R * kk), wc_.resize(R * kk), xc_.resize(R * H), yc_.resize(R * H);

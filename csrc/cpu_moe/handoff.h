@@ -12,7 +12,17 @@
 //         ids int32 [T, k], weights fp32 [T, k], map int32 [E] (expert -> slot, -1: the
 //         CPU's), x [T, H]
 //   out   fp32 [T, H]: the CPU routes' weighted sum per row (zeros where it has none)
+//   hint  int32 tag, layer, misses, 0, then ids [hint_max]: the experts the next MoE layer is
+//         predicted to route to and the device not to hold (`misses` of them, the first
+//         hint_max listed), in the slot plan's fetch order (most-routed first, then the lower
+//         id), written by the producer while job `tag` runs (tag last, release); optional
+//         (offset 0: none)
 // A route is the CPU's when its row is live and map[id] < 0.
+//
+// Warming (set_prefetch): after answering job n, if the hint's tag is n, the worker drops the
+// hint's first F experts (F = the fetch table at its `misses`: those the device will fetch) and has the executor's threads read their shares of the rest into their caches
+// (Executor::warm) until job n + 1 is posted: between two jobs the CPU otherwise waits for the
+// device's layer (attention and the router), tens of microseconds in which DRAM is idle.
 #pragma once
 
 #include <atomic>
@@ -28,7 +38,7 @@ namespace ft {
 
 struct HandoffLayout {
   int64_t go = 0, done = 0, live = 0, error = 0, job = 0, ids = 0, weights = 0, map = 0,
-          x = 0, out = 0;
+          x = 0, out = 0, hint = 0, hint_max = 0;
   int64_t max_tokens = 0, top_k = 0, num_experts = 0, hidden = 0;
 };
 
@@ -47,6 +57,12 @@ class HandoffWorker {
   bool wait(uint32_t n, double timeout_s);
   std::string last_error() const;
   int64_t jobs() const { return jobs_.load(std::memory_order_relaxed); }
+  // Warming on or off; fetch_table[M]: how many of M missing experts the device fetches
+  // (the policy's table, capped; empty: none). Call it while no job runs.
+  void set_prefetch(bool on, const std::vector<int32_t>& fetch_table);
+  // Since the worker started: {hints (jobs after which it warmed), experts warmed fully,
+  // warmed experts the next job of that layer computed, CPU experts of those next jobs}.
+  std::vector<int64_t> prefetch_stats() const;
   // Job timing for profiles: while on, each job appends {go seen, forward start, forward
   // end, done set (steady-clock us), rows computed, routes computed} (up to kTraceCap jobs).
   // Turning it on clears the record; read it only while no job runs (after a step's sync).
@@ -57,6 +73,8 @@ class HandoffWorker {
  private:
   void loop(uint32_t last);
   void run_job();
+  void warm_next(uint32_t n);
+  void count_warmed(const int32_t* ids, const int32_t* map, int64_t live);
 
   Executor* ex_;
   uint8_t* buf_;
@@ -77,6 +95,12 @@ class HandoffWorker {
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> jobs_{0};
   std::atomic<bool> tracing_{false};
+  std::atomic<bool> prefetch_{false};
+  std::vector<int32_t> fetch_table_;
+  std::vector<int32_t> warmed_ids_;  // the experts of layer warmed_layer_ warmed fully
+  std::vector<uint8_t> seen_;        // [E] scratch of count_warmed
+  int64_t warmed_layer_ = -1;
+  std::atomic<int64_t> stats_[4] = {};
   std::vector<int64_t> trace_;  // 6 per job, reserved when tracing starts
   int64_t t_fwd0_ = 0, t_fwd1_ = 0, routes_ = 0;  // the current job's, for the trace
   std::thread thread_;

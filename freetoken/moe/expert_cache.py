@@ -31,7 +31,7 @@ from torch.profiler import record_function
 from freetoken import env
 from freetoken.kernels.moe import fused_moe
 from freetoken.moe.banks import ExpertBank
-from freetoken.moe.handoff import Handoff
+from freetoken.moe.handoff import HINT_ROUTES, Handoff
 from freetoken.moe.host_banks import executor_bank
 from freetoken.moe.policy import FetchPolicy, prepare_limit_tables
 from freetoken.moe.slot_cache import SlotCache
@@ -84,6 +84,11 @@ class ExpertCache:
                              f"{'cpu' if fetch_limit.q == 0 else 'hybrid'} backend cannot "
                              "compute its misses: use --moe-backend offload")
         self.cpu_capable = not missing
+        # Set by moe/runtime.py: per MoE layer, x -> the routes [T, k] its router gives x (the
+        # previous layer's input predicts the layer's experts: moe/handoff.py, warming), or
+        # None where the layer's router is not one `gate_topk` computes
+        self.predictors: list[Callable | None] = []
+        self.prefetch = env.moe_prefetch()
 
     @property
     def executor(self):
@@ -101,6 +106,8 @@ class ExpertCache:
         if self._handoff is None:
             self._handoff = Handoff(self.executor, self._exec_banks, self.top_k, self.device,
                                     PREFILL_TOKENS)
+            if self.prefetch and not self.fetch_all:
+                self._handoff.set_prefetch(True, _fetch_table(self.fetch_limit, HINT_ROUTES))
         return self._handoff
 
     def close(self) -> None:
@@ -172,9 +179,15 @@ class ExpertCache:
                              live=live, job=job)
             E = c.num_experts
             emap = c.slot_of[layer * E:(layer + 1) * E]  # hits and fetched: a slot; else -1
+        # the next layer's hint: after the job on a GPU (tagged by the job counter the plan or
+        # send kernel advanced), before it with the CPU standing in (tagged with the number
+        # the job will get, so the worker finds it when it is done)
+        host = self.device.type != "cuda"
+        hinted = ho is not None and host and self._hint(layer, x, ho, capturing)
         if ho is not None and job is None:
             with record_function("moe.to_host"):
                 ho.send(layer, x, ids, w, emap, activation)
+        hinted = hinted or (ho is not None and not host and self._hint(layer, x, ho, capturing))
         with record_function("moe.fill"):
             if self.never_fetches:
                 pass  # the cpu backend: nothing to fill (no empty launch per layer)
@@ -188,6 +201,8 @@ class ExpertCache:
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
         fold = None
+        if hinted and terms is None:  # the hint's kernels, joined before the wait
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
         if terms is not None:  # the side stream's terms, joined before the wait
             torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             fold = _fold(side, terms, ho)
@@ -199,6 +214,27 @@ class ExpertCache:
             with record_function("moe.cpu"):
                 y = ho.receive(y, fold)
         return y
+
+    def _hint(self, layer: int, x, ho: Handoff, capturing: bool) -> bool:
+        """Post the next layer's predicted CPU experts for the worker to warm while this
+        call runs (moe/handoff.py: warming): its router on this layer's input x, less what
+        its slots hold. Inside a CUDA graph on the side stream (off the device's path to the
+        receive); True when it went there (the caller joins it before the receive)."""
+        nxt = layer + 1
+        if (not self.prefetch or self.fetch_all or nxt >= len(self.predictors)
+                or self.predictors[nxt] is None or x.shape[0] * self.top_k > HINT_ROUTES):
+            return False
+        E = self.cache.num_experts
+        emap = self.cache.slot_of[nxt * E:(nxt + 1) * E]
+        side = self.side_stream if capturing else None
+        with record_function("moe.hint"):
+            if side is None:
+                ho.hint(nxt, self.predictors[nxt](x), emap)
+                return False
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                ho.hint(nxt, self.predictors[nxt](x), emap)
+        return True
 
     def _side_terms(self, side: Callable | None):
         """The side work's terms started on the side stream (after what the compute stream
@@ -254,6 +290,22 @@ class ExpertCache:
     def counters(self) -> dict[str, int]:
         """Totals since load: hits, misses, fetched and cpu (distinct experts per layer call)."""
         return self.cache.read_counters()
+
+    def prefetch_stats(self) -> dict[str, int] | None:
+        """The hand-off worker's warming totals (`Handoff.prefetch_stats`), None before it
+        started or with warming off."""
+        if self._handoff is None or not self.prefetch:
+            return None
+        return self._handoff.prefetch_stats()
+
+
+def _fetch_table(fetch_limit, n: int) -> list[int]:
+    """F for M = 0 .. n misses as the plan applies `fetch_limit` (a FetchPolicy, capped, or
+    an int: at most that many), for the hand-off worker's warming."""
+    if isinstance(fetch_limit, int):
+        return [min(m, fetch_limit) for m in range(n + 1)]
+    cap = fetch_limit.cap
+    return [f if cap is None else min(f, cap) for f in fetch_limit.limits(n)]
 
 
 def _fold(side, terms, ho: Handoff | None) -> tuple | None:

@@ -17,6 +17,17 @@ step (its padding rows are not computed) is written to the buffer's `live` word 
 the device by the host before each replay. With the CPU standing in as the
 device, the producer is a few tensor copies and `post` / `wait` from Python: the worker and
 its compaction are the same code as on a GPU.
+
+Warming (FREETOKEN_MOE_PREFETCH): between two jobs the worker waits for the device's next
+layer (its attention and router: tens of microseconds at decode), and the host's memory is
+idle. So while job n runs, the producer also posts a hint (`hint`): the next MoE layer's
+router applied to this layer's input x (the residual stream changes little from one layer to
+the next, so it mostly picks the experts the next layer will), less the experts that layer
+holds in slots, in the slot plan's fetch order. After answering job n the worker drops the
+ones the device will fetch (the fetch table at their count) and has the executor's threads
+read their shares of the rest into their caches until job n + 1 arrives (Executor::warm).
+Results do not change (a warmed row is the same bytes); `prefetch_stats` says how often the
+guess was right.
 """
 
 from __future__ import annotations
@@ -35,6 +46,10 @@ _XDT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # computes on the same cores, and a spinning worker would take one from it.
 SPIN_US = {"cuda": 50_000, "cpu": 200}
 WAIT_TIMEOUT_S = 60.0  # the host's wait for an answer (the GPU's: kernels/triton/handoff.py)
+# Experts a hint lists (the next layer's predicted misses; csrc/cpu_moe/handoff.h); hints are
+# posted for calls of at most HINT_ROUTES routes (decode)
+HINT_MAX = 64
+HINT_ROUTES = 64
 
 
 def _align(n: int, a: int = 64) -> int:
@@ -47,11 +62,12 @@ def layout(max_tokens: int, top_k: int, num_experts: int, hidden: int) -> dict[s
     o = off["job"] + 64
     for name, nbytes in (("ids", max_tokens * top_k * 4), ("weights", max_tokens * top_k * 4),
                          ("map", num_experts * 4), ("x", max_tokens * hidden * 4),
-                         ("out", max_tokens * hidden * 4)):
+                         ("out", max_tokens * hidden * 4), ("hint", 16 + HINT_MAX * 4)):
         off[name] = o
         o = _align(o + nbytes)
     off["size"] = o
-    off.update(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts, hidden=hidden)
+    off.update(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts, hidden=hidden,
+               hint_max=HINT_MAX)
     return off
 
 
@@ -102,6 +118,35 @@ class Handoff:
     def close(self) -> None:
         """Stop the worker (before the buffer it polls is freed)."""
         self._worker = None
+
+    def set_prefetch(self, on: bool, fetch_table: list[int] | None = None) -> None:
+        """Warming on or off (module doc); fetch_table[M]: how many of M missing experts the
+        device fetches (the policy's table, capped; None: none). Between steps only."""
+        self._worker.set_prefetch(bool(on), [int(f) for f in (fetch_table or [])])
+
+    def prefetch_stats(self) -> dict[str, int]:
+        """Since the buffer was made: `hints` (jobs after which the worker warmed experts),
+        `warmed` (experts warmed fully), `used` (of those, the ones the next job of that layer
+        computed) and `cpu` (the CPU experts of those next jobs)."""
+        return dict(zip(("hints", "warmed", "used", "cpu"), self._worker.prefetch_stats()))
+
+    def hint(self, layer: int, ids: torch.Tensor, emap: torch.Tensor) -> None:
+        """Post the hint for MoE layer `layer`: ids [T, k] its predicted routes (rows past
+        `live` ignored), emap [E] its expert -> slot map now. On a GPU a kernel writes it (no
+        host sync) after the job it goes with was posted, tagged with the job counter; else
+        the host, before that job is posted, tagged with the number `send` will give it."""
+        if self.seq is not None:
+            from freetoken.kernels.triton.handoff import post_hint
+
+            post_hint(ids, emap, self._live_dev, self.seq, self.buf, self.off, layer)
+            return
+        live = int(self._host["live"][0])
+        order, misses = hint_order(ids[:live], emap)
+        words = self.buf.numpy().view(np.int32)
+        h = self.off["hint"] // 4
+        words[h + 4:h + 4 + len(order)] = order
+        words[h + 1], words[h + 2] = layer, misses
+        words[h] = (self._n + 1) & 0xFFFFFFFF  # the tag last
 
     def __del__(self):
         self.close()
@@ -209,3 +254,14 @@ class Handoff:
             self._host["timeout"][0] = 0
             raise RuntimeError("CPU MoE hand-off: the GPU waited more than its timeout for the "
                                "CPU worker's answer; that step's MoE outputs are wrong")
+
+
+def hint_order(ids: torch.Tensor, emap: torch.Tensor) -> tuple[list[int], int]:
+    """(the first HINT_MAX, how many) of the experts of routes ids [T, k] that emap [E] maps to
+    no slot, in the slot plan's fetch order: most-routed first, then the lower id (the
+    reference of the GPU's hint kernel)."""
+    E = emap.numel()
+    counts = torch.bincount(ids.reshape(-1).long().cpu(), minlength=E)[:E]
+    cand = [e for e in range(E) if counts[e] > 0 and int(emap[e]) < 0]
+    cand.sort(key=lambda e: (-int(counts[e]), e))
+    return cand[:HINT_MAX], len(cand)

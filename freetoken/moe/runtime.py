@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from freetoken.layers.moe import FusedExperts
+from freetoken.kernels.route import gate_topk
+from freetoken.layers.moe import FusedExperts, SparseMoE
 from freetoken.moe.expert_cache import CACHE_BACKENDS, ExpertCache, LayerBackend
 from freetoken.moe.host_banks import bank_bytes, host_bank
 from freetoken.moe.policy import expert_format, fetch_policy, find_profile, num_slots
@@ -106,6 +107,17 @@ def _to_device(mods: list[FusedExperts], device: torch.device) -> None:
             m.bank = m.bank.to(w.data.dtype if w.is_float else torch.float32, device)
 
 
+def _predictors(model, mods: list[FusedExperts]) -> list:
+    """Per MoE layer, x -> the expert ids [T, k] its router picks for x (SparseMoE layers:
+    `gate_topk`), or None (a router of its own, such as gemma4's)."""
+    owner = {id(m.experts): m for m in model.modules() if isinstance(m, SparseMoE)}
+
+    def predictor(moe):
+        return lambda x: gate_topk(x, *moe.router)[0]
+
+    return [predictor(owner[id(m)]) if id(m) in owner else None for m in mods]
+
+
 class MoERuntime:
     """The cache backends of one model, their counters and the decode log line."""
 
@@ -140,11 +152,13 @@ class MoERuntime:
         self.cache.prefill = self.prefill
         for i, m in enumerate(mods):
             m.backend = LayerBackend(self.cache, i)
+        self.cache.predictors = _predictors(model, mods)
         self._report(total, sizing, device)
         self.log_interval = getattr(config, "decode_log_interval", 0) or 0
         self._steps, self._tokens = 0, 0
         self._t0: float | None = None
         self._last = self.counters()
+        self._last_warm: dict[str, int] | None = None
 
     def _report(self, total: int, sizing: str, device: torch.device) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
@@ -186,6 +200,7 @@ class MoERuntime:
             return
         if self._t0 is None:  # the first decode step starts the clock (not the load)
             self._t0, self._last = time.perf_counter(), self.counters()
+            self._last_warm = self.cache.prefetch_stats()
             return
         self._steps += 1
         self._tokens += num_tokens
@@ -194,8 +209,14 @@ class MoERuntime:
         now, c = time.perf_counter(), self.counters()
         d = {k: c[k] - self._last[k] for k in c}
         seen = d["hits"] + d["misses"]
+        warm, wd = self.cache.prefetch_stats(), ""
+        if warm is not None and self._last_warm is not None:
+            w = {k: warm[k] - self._last_warm[k] for k in warm}
+            wd = (f"; warmed {w['warmed'] / self.log_interval:.1f} per step ahead of the CPU, "
+                  f"{w['used'] / max(1, w['warmed']):.0%} of them used")
         logger.info("decode: %.1f tokens/s over %d steps; experts: hit rate %.2f (%d of %d), "
-                    "fetched %d, CPU %d (%.1f / %.1f per step)", self._tokens / (now - self._t0),
-                    self.log_interval, d["hits"] / max(1, seen), d["hits"], seen, d["fetched"],
-                    d["cpu"], d["fetched"] / self.log_interval, d["cpu"] / self.log_interval)
-        self._tokens, self._t0, self._last = 0, now, c
+                    "fetched %d, CPU %d (%.1f / %.1f per step)%s",
+                    self._tokens / (now - self._t0), self.log_interval, d["hits"] / max(1, seen),
+                    d["hits"], seen, d["fetched"], d["cpu"], d["fetched"] / self.log_interval,
+                    d["cpu"] / self.log_interval, wd)
+        self._tokens, self._t0, self._last, self._last_warm = 0, now, c, warm

@@ -74,6 +74,16 @@ CASES.update({
         dict(H=2048, BLOCK=1024, GATE=g, ASM=True), (), 4)
     for g in (False, True)
 })
+# the next layer's hint for the CPU worker's warming (`handoff.post_hint`): one token of the
+# 30B (128 experts), eight of the 35B (256 experts)
+CASES.update({
+    f"hint-R{rb}-E{eb}": (
+        "freetoken.kernels.triton.handoff", "_hint_kernel",
+        {"ids_ptr": "*i64", "map_ptr": "*i32", "live_ptr": "*i32", "seq_ptr": "*i32",
+         "hi32": "*i32"},
+        dict(RB=rb, EB=eb, HMAX=64, ASM=True), (), 4)
+    for rb, eb in ((8, 128), (64, 256))
+})
 _PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
               "last_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64",
               "lim_ptr": "*i32", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,

@@ -279,3 +279,77 @@ def test_a_late_answer_times_out_and_sets_the_timeout_word(gated, monkeypatch):
         assert int(buf.view(torch.int32)[off["timeout"] // 4]) == 1
         ns, calls = waits.tolist()
         assert calls == 1 and ns >= int(handoff.TIMEOUT_S * 1e9)
+
+
+def _wait_for(cond, timeout_s: float = 20.0) -> None:
+    import time
+
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, "the worker did not get there in time"
+        time.sleep(0.001)
+
+
+def test_warming_reads_the_hinted_cpu_experts_and_changes_no_result(banks):
+    """The worker warms a hint's experts after the job it is tagged with, less the first F
+    (the fetch table at the hint's miss count: the ones the device fetches), and counts which
+    of them the next job of that layer computes; the answers stay the reference's."""
+    import numpy as np
+
+    ho = Handoff(CpuMoeExecutor(2), banks, K, torch.device("cpu"), MAX_T)
+    ho.set_prefetch(True, [0, 1, 1, 1, 2, 2, 2, 2, 2])  # F(3) = 1
+    x, ids, w, emap = _inputs(11, 2)
+    ho.set_live(2)
+    words = ho.buf.numpy().view(np.int32)
+    h = ho.off["hint"] // 4
+    words[h:h + 7] = [1, 1, 3, 0, 5, 2, 6]  # job 1's hint: layer 1, misses 5, 2, 6
+    ho.send(0, x, ids, w, emap, "silu")  # job 1
+    _close(ho.receive(torch.zeros(2, H)), _expected(banks[0], x, ids, w, emap, 2))
+    _wait_for(lambda: ho.prefetch_stats()["hints"] == 1)
+    assert ho.prefetch_stats() == {"hints": 1, "warmed": 2, "used": 0, "cpu": 0}  # 2 and 6
+    # layer 1 then routes row 0 to 2 (a CPU expert), 6 (held in a slot) and 1 (CPU)
+    x2 = torch.randn(1, H)
+    ids2 = torch.tensor([[2, 6, 1]])
+    w2 = torch.rand(1, K)
+    emap2 = torch.full((E,), -1, dtype=torch.int32)
+    emap2[6] = 0
+    ho.set_live(1)
+    ho.send(1, x2, ids2, w2, emap2, "silu")  # job 2: no hint tagged 2, nothing warmed after
+    _close(ho.receive(torch.zeros(1, H)), _expected(banks[1], x2, ids2, w2, emap2, 1))
+    assert ho.prefetch_stats() == {"hints": 1, "warmed": 2, "used": 1, "cpu": 2}
+    ho.set_prefetch(False)
+    words[h] = 3  # a hint for job 3, but warming is off
+    ho.send(1, x2, ids2, w2, emap2, "silu")
+    ho.receive(torch.zeros(1, H))
+    assert ho.prefetch_stats()["hints"] == 1
+    ho.close()
+
+
+@pytest.mark.parametrize("T,live,E_", [(1, 1, 8), (5, 3, 40), (8, 8, 128)])
+def test_hint_kernel_writes_the_plans_fetch_order(T, live, E_):
+    """kernels/triton/handoff.post_hint (CUDA, else Triton's interpreter) against hint_order:
+    the predicted misses of live rows, most-routed first, then the lower id; the count, layer
+    and the tag (the job counter)."""
+    import numpy as np
+
+    from freetoken.kernels.triton.handoff import post_hint
+    from freetoken.moe.handoff import HINT_MAX, hint_order, layout
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(T * 100 + E_)
+    k = 8 if E_ >= 40 else K
+    ids = torch.stack([torch.randperm(E_, generator=g)[:k] for _ in range(T)])
+    ids[: T // 2, 0] = ids[0, 0]  # one expert routed by several rows: first in the order
+    emap = torch.where(torch.rand(E_, generator=g) < 0.3, torch.arange(E_), -1).to(torch.int32)
+    off = layout(8, k, E_, H)
+    buf = torch.zeros(off["size"], dtype=torch.uint8, pin_memory=dev == "cuda")
+    seq = torch.tensor([41], dtype=torch.int32, device=dev)
+    post_hint(ids.to(dev), emap.to(dev), torch.tensor([live], dtype=torch.int32, device=dev),
+              seq, buf, off, 3)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    words = buf.numpy().view(np.int32)[off["hint"] // 4:]
+    order, misses = hint_order(ids[:live], emap)
+    assert misses > 0 and len(order) == min(misses, HINT_MAX)
+    assert words[:3].tolist() == [41, 3, misses]
+    assert words[4:4 + len(order)].tolist() == order

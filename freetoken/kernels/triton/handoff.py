@@ -15,6 +15,10 @@ both are mapped at the same address on the device, which Triton takes as a point
   layer's shared expert (sh, and its gate's x and weight row) it adds y + gate * sh too, in
   the same launch: a grid of (token, block of H), each program computing its token's gate
   and that part of the sum before it polls, with the two launches' bits (see `receive_add`).
+- `post_hint`: one program writes the next MoE layer's predicted misses (the experts of its
+  predicted routes on live rows that its map gives no slot, most-routed first, then the lower
+  id: the slot plan's fetch order), their count and the layer into the buffer's hint, then
+  the tag (the job number the plan kernel just posted) after a system-scope fence.
 - `fill`: copies fetched experts (the plan's (expert, slot) list, -1 = nothing) from the
   host bank's parts into their slots: a grid over (fetch, part, chunk) of PCIe reads; each
   part's host address, slot offset and size come from a small table on the device.
@@ -182,6 +186,27 @@ def _receive_shared_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, seq_ptr, hi32, 
 
 
 @triton.jit
+def _hint_kernel(ids_ptr, map_ptr, live_ptr, seq_ptr, hi32, o_hint, layer, T, K, E,
+                 RB: tl.constexpr, EB: tl.constexpr, HMAX: tl.constexpr, ASM: tl.constexpr):
+    """See `post_hint`. Key of expert e: count * EB + (EB - 1 - e), sorted descending (0: not
+    a predicted miss)."""
+    n = tl.load(seq_ptr)
+    rows = tl.minimum(tl.load(live_ptr), T)
+    r = tl.arange(0, RB)
+    ids = tl.load(ids_ptr + r, mask=r < rows * K, other=-1).to(tl.int32)
+    e = tl.arange(0, EB)
+    cnt = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    slot = tl.load(map_ptr + e, mask=e < E, other=0)
+    key = tl.where((cnt > 0) & (slot < 0), cnt * EB + (EB - 1 - e), 0)
+    ks = tl.sort(key, descending=True)
+    misses = tl.sum((key > 0).to(tl.int32), axis=0)
+    tl.store(hi32 + o_hint + 4 + e, EB - 1 - ks % EB, mask=(e < HMAX) & (ks > 0))
+    tl.store(hi32 + o_hint + 1, layer)
+    tl.store(hi32 + o_hint + 2, misses)
+    job_post(n, hi32, o_hint, ASM)
+
+
+@triton.jit
 def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Program (i, part, chunk): CHUNK words of fetch i's part from its host bank into its
@@ -286,6 +311,19 @@ def _check_shared(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
                           or not w.is_contiguous()):
         raise ValueError(f"receive_add: the gate's x {list(x.shape)} (last stride "
                          f"{x.stride(-1)}) and row {list(w.shape)} do not fit y {[T, H]}")
+
+
+def post_hint(ids: torch.Tensor, emap: torch.Tensor, live: torch.Tensor, seq: torch.Tensor,
+              buf: torch.Tensor, off: dict, layer: int) -> None:
+    """The hint for MoE layer `layer` (moe/handoff.py `Handoff.hint`): ids [T, k] its
+    predicted routes (rows from live[0] on ignored), emap [E] int32 its expert -> slot map;
+    tagged with the job number in seq."""
+    T, K = ids.shape
+    E = emap.numel()
+    _hint_kernel[(1,)](ids.contiguous(), emap, live, seq, buf.view(torch.int32),
+                       off["hint"] // 4, layer, T, K, E, RB=triton.next_power_of_2(T * K),
+                       EB=triton.next_power_of_2(E), HMAX=off["hint_max"],
+                       ASM=not interpreting(), num_warps=4)
 
 
 def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> tuple[torch.Tensor, bool]:
