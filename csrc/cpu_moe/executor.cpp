@@ -317,16 +317,21 @@ static int64_t scale_span(const Bank& w, int64_t e, int64_t r0, int64_t r1, cons
   return (r1 - r0) * per_row;
 }
 
-// Reads [p, p + n) a cache line at a time with prefetches 2 KiB ahead into L2, in pieces of
-// kWarmChunk bytes, stopping between pieces once *stop != v. Returns false if it stopped.
+// Reads [p, p + n) a cache line at a time with the dots' prefetch distances (prefetch_bytes()
+// ahead into L1, prefetch_l2_bytes() into L2: one line each per line read, as a dot streams a
+// row), in pieces of kWarmChunk bytes, stopping between pieces once *stop != v. Returns false
+// if it stopped.
 constexpr int64_t kWarmChunk = 8 << 10;
 static bool warm_span(const uint8_t* p, int64_t n, const uint32_t* stop, uint32_t v,
                       uint64_t& sink) {
+  const int64_t pf = prefetch_bytes(), far = prefetch_l2_bytes();
+  if (far > 0) prefetch_lines_l2(p, static_cast<int>((std::min(n, far) + 63) / 64));
   for (int64_t c = 0; c < n; c += kWarmChunk) {
     if (__atomic_load_n(stop, __ATOMIC_RELAXED) != v) return false;
     const int64_t end = std::min(n, c + kWarmChunk);
     for (int64_t i = c; i < end; i += 64) {
-      if (i + 2048 < n) prefetch_lines_l2(p + i + 2048, 1);
+      if (pf > 0 && i + pf < n) prefetch_lines(p + i + pf, 1);
+      if (far > 0 && i + far < n) prefetch_lines_l2(p + i + far, 1);
       sink ^= *reinterpret_cast<const volatile uint64_t*>(p + i);
     }
   }
