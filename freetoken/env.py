@@ -99,11 +99,18 @@ def gpu_side_stream() -> bool:
     return _unless_off("FREETOKEN_GPU_SIDE_STREAM")
 
 
+def _if_on(name: str) -> bool:
+    """A switch that is off unless set to 1 / true / yes / on; 0 / false / no / off is off,
+    any other value an error."""
+    return _choice(name, _OFF + _ON) in _ON
+
+
 def moe_prefetch() -> bool:
-    """FREETOKEN_MOE_PREFETCH=0: with the cpu and hybrid backends, the CPU hand-off's worker
-    does not warm the next layer's predicted CPU experts into the executor threads' caches
-    between jobs (`moe/handoff.py`: warming)."""
-    return _unless_off("FREETOKEN_MOE_PREFETCH")
+    """FREETOKEN_MOE_PREFETCH=1: with the cpu and hybrid backends, the CPU hand-off's worker
+    warms the next layer's predicted CPU experts into the executor threads' caches between
+    jobs (`moe/handoff.py`: warming). Off by default: on the H200's shared host it measured
+    within the spread between runs (and slower while the host's memory was busy)."""
+    return _if_on("FREETOKEN_MOE_PREFETCH")
 
 
 def gpu_receive_shared() -> bool:

@@ -17,7 +17,6 @@ SWITCHES = {
     "FREETOKEN_GPU_DOWN_SUM": env.gpu_down_arrive_sum,
     "FREETOKEN_GPU_SIDE_STREAM": env.gpu_side_stream,
     "FREETOKEN_GPU_RECEIVE_SHARED": env.gpu_receive_shared,
-    "FREETOKEN_MOE_PREFETCH": env.moe_prefetch,
 }
 
 
@@ -33,3 +32,16 @@ def test_on_off_switch(name, monkeypatch):
     monkeypatch.setenv(name, "banana")
     with pytest.raises(ValueError, match=f"{name}='banana' is not one of"):
         read()
+
+
+def test_off_unless_set_switch(monkeypatch):
+    """FREETOKEN_MOE_PREFETCH: off when unset, else the same values as the others."""
+    name = "FREETOKEN_MOE_PREFETCH"
+    monkeypatch.delenv(name, raising=False)
+    assert env.moe_prefetch() is False
+    for value, on in (("1", True), (" On ", True), ("0", False), ("no", False)):
+        monkeypatch.setenv(name, value)
+        assert env.moe_prefetch() is on, value
+    monkeypatch.setenv(name, "banana")
+    with pytest.raises(ValueError, match=f"{name}='banana' is not one of"):
+        env.moe_prefetch()

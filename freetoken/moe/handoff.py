@@ -18,16 +18,16 @@ the device by the host before each replay. With the CPU standing in as the
 device, the producer is a few tensor copies and `post` / `wait` from Python: the worker and
 its compaction are the same code as on a GPU.
 
-Warming (FREETOKEN_MOE_PREFETCH): between two jobs the worker waits for the device's next
-layer (its attention and router: tens of microseconds at decode), and the host's memory is
-idle. So while job n runs, the producer also posts a hint (`hint`): the next MoE layer's
-router applied to this layer's input x (the residual stream changes little from one layer to
-the next, so it mostly picks the experts the next layer will), less the experts that layer
-holds in slots, in the slot plan's fetch order. After answering job n the worker drops the
-ones the device will fetch (the fetch table at their count) and has the executor's threads
-read their shares of the rest into their caches until job n + 1 arrives (Executor::warm).
-Results do not change (a warmed row is the same bytes); `prefetch_stats` says how often the
-guess was right.
+Warming (FREETOKEN_MOE_PREFETCH=1, off by default): between two jobs the worker waits for
+the device's next layer (its attention and router: tens of microseconds at decode), and the
+host's memory is idle. So while job n runs, the producer also posts a hint (`hint`): the
+next MoE layer's router applied to this layer's input x (the residual stream changes little
+from one layer to the next, so it mostly picks the experts the next layer will), less the
+experts that layer holds in slots, in the slot plan's fetch order. After answering job n the
+worker drops the ones the device will fetch (the fetch table at their count) and has the
+executor's threads read their shares of the rest into their caches until job n + 1 arrives
+(Executor::warm). Results do not change (a warmed row is the same bytes); `prefetch_stats`
+says how often the guess was right.
 """
 
 from __future__ import annotations

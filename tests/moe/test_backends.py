@@ -37,6 +37,14 @@ from freetoken.models import load_model
 from freetoken.models.testing import SimpleKV, attach_states, pages_needed
 from freetoken.moe.runtime import configure_moe
 
+
+@pytest.fixture(autouse=True)
+def _warming_on(monkeypatch):
+    """Warming (FREETOKEN_MOE_PREFETCH, off by default) on in every case here: it must change
+    no result, and the counters below check that it ran."""
+    monkeypatch.setenv("FREETOKEN_MOE_PREFETCH", "1")
+
+
 DATA = Path(__file__).resolve().parents[1] / "data"
 TOKENS = 32
 # max |logit diff| / logit range with 8-bit activations on the CPU side. Observed (teacher-
