@@ -182,7 +182,7 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     for label, us in (("executor (CPU experts' compute)", (f1 - f0).sum()),
                       ("compaction before it (go seen -> start)", (f0 - seen).sum()),
                       ("answer after it (end -> done)", (done - f1).sum()),
-                      ("waiting for the device between jobs", gaps.sum())):
+                      ("waiting for the device (warming in it)", gaps.sum())):
         lines.append(f"{label:<44} {us / steps:>9.1f} {us / len(tr):>9.1f} "
                      f"{100 * us / steps / wall:>7.1f}%")
     if w0 is not None:  # the other side: the device's receive kernels polling for answers

@@ -116,10 +116,11 @@ void HandoffWorker::loop(uint32_t last) {
       last = n;
       jobs_.fetch_add(1, std::memory_order_relaxed);
       store_release(buf_ + lay_.done, n);
+      const int64_t done_at = now_us();  // the warming after it is part of the wait for the next
       if (lay_.hint && prefetch_.load(std::memory_order_relaxed)) warm_next(n);
       idle_since = now_us();
       if (tracing_.load(std::memory_order_relaxed) && trace_.size() < 6 * kTraceCap)
-        trace_.insert(trace_.end(), {seen, t_fwd0_, t_fwd1_, idle_since,
+        trace_.insert(trace_.end(), {seen, t_fwd0_, t_fwd1_, done_at,
                                      static_cast<int64_t>(rows_.size()), routes_});
       continue;
     }
