@@ -20,7 +20,8 @@
 // A route is the CPU's when its row is live and map[id] < 0.
 //
 // Warming (set_prefetch): after answering job n, if the hint's tag is n, the worker drops the
-// hint's first F experts (F = the fetch table at its `misses`: those the device will fetch) and has the executor's threads read their shares of the rest into their caches
+// hint's first F experts (F = the fetch table at its `misses`: those the device will fetch)
+// and has the executor's threads read their shares of the rest into their caches
 // (Executor::warm) until job n + 1 is posted: between two jobs the CPU otherwise waits for the
 // device's layer (attention and the router), tens of microseconds in which DRAM is idle.
 #pragma once

@@ -182,12 +182,13 @@ class ExpertCache:
         # the next layer's hint: after the job on a GPU (tagged by the job counter the plan or
         # send kernel advanced), before it with the CPU standing in (tagged with the number
         # the job will get, so the worker finds it when it is done)
-        host = self.device.type != "cuda"
-        hinted = ho is not None and host and self._hint(layer, x, ho, capturing)
+        on_gpu = self.device.type == "cuda"
+        if ho is not None and not on_gpu:
+            self._hint(layer, x, ho, capturing)
         if ho is not None and job is None:
             with record_function("moe.to_host"):
                 ho.send(layer, x, ids, w, emap, activation)
-        hinted = hinted or (ho is not None and not host and self._hint(layer, x, ho, capturing))
+        hinted = ho is not None and on_gpu and self._hint(layer, x, ho, capturing)
         with record_function("moe.fill"):
             if self.never_fetches:
                 pass  # the cpu backend: nothing to fill (no empty launch per layer)
@@ -201,10 +202,9 @@ class ExpertCache:
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
         fold = None
-        if hinted and terms is None:  # the hint's kernels, joined before the wait
+        if hinted or terms is not None:  # the side stream's work, joined before the wait
             torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-        if terms is not None:  # the side stream's terms, joined before the wait
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+        if terms is not None:
             fold = _fold(side, terms, ho)
             if fold is None:
                 y = side.finish(y, terms)

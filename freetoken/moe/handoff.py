@@ -262,6 +262,7 @@ def hint_order(ids: torch.Tensor, emap: torch.Tensor) -> tuple[list[int], int]:
     reference of the GPU's hint kernel)."""
     E = emap.numel()
     counts = torch.bincount(ids.reshape(-1).long().cpu(), minlength=E)[:E]
-    cand = [e for e in range(E) if counts[e] > 0 and int(emap[e]) < 0]
-    cand.sort(key=lambda e: (-int(counts[e]), e))
-    return cand[:HINT_MAX], len(cand)
+    cand = torch.nonzero((counts > 0) & (emap.cpu() < 0)).flatten()
+    # ascending (-count, id): the ids are distinct, so the key is too
+    cand = cand[torch.argsort(-counts[cand] * E + cand)]
+    return cand[:HINT_MAX].tolist(), cand.numel()
