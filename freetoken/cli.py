@@ -32,6 +32,9 @@ _HELP = {
     "moe_cache_rate": "expert slots as a fraction of all routed experts",
     "moe_hybrid_max_fetch": "hybrid: most experts fetched per layer and step (0: every miss "
     "to the CPU; -1: as the ft bench bw profile's q* says)",
+    "moe_fetch_ahead": "offload / hybrid: per layer call, up to N of the next MoE layer's "
+    "predicted misses (its router on this layer's input) are copied into slots while the "
+    "device runs the layers in between, when the copy engine is idle (0: off, the default)",
     "decode_log_interval": "a decode log line (tokens/s, expert hit rate, fetches, CPU "
     "experts) every N decode steps; 0: none",
     "moe_cpu_threads": "CPU MoE executor threads (default: physical cores minus one)",

@@ -33,6 +33,10 @@ class EngineConfig:
     moe_cache_rate: float | None = None  # or: a fraction of all routed experts
     moe_hybrid_max_fetch: int | None = None  # per layer call; 0 = every miss to the CPU,
     # None / -1 = from the profile
+    # offload / hybrid: per layer call, up to N of the next MoE layer's predicted misses are
+    # fetched ahead of it; None = moe/expert_cache.py's FETCH_AHEAD where the backend fetches
+    # (not cpu, not a fetch cap of 0)
+    moe_fetch_ahead: int | None = None
     moe_cpu_threads: int | None = None  # None = physical cores minus one
     # prefill calls stream whole expert banks (moe/prefill_stream.py): the experts the slot
     # cache holds are copied from their slots instead of over PCIe
@@ -51,6 +55,9 @@ class EngineConfig:
         _check_choice("cache_type", self.cache_type, CACHE_TYPES)
         _check_choice("moe_backend", self.moe_backend, MOE_BACKENDS)
         _check_choice("dummy_format", self.dummy_format, DUMMY_FORMATS)
+        if self.moe_fetch_ahead is not None and self.moe_fetch_ahead < 0:
+            raise ValueError(f"moe_fetch_ahead must be 0 (off) or a positive number of experts, "
+                             f"got {self.moe_fetch_ahead}")
         for name in ("max_running_requests", "max_prefill_tokens", "page_size", "kv_cache_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -163,9 +163,8 @@ class PrefillStreamer:
         routed = used.sum()
         hits = (used & (c.slot_of[layer * E:(layer + 1) * E] >= 0)).sum() if self.hit_d2d \
             else torch.zeros_like(routed)
-        vals = {"hits": hits, "misses": routed - hits, "fetched": routed - hits,
-                "cpu": torch.zeros_like(routed)}
-        c.counters += torch.stack([vals[k] for k in COUNTERS])
+        vals = {"hits": hits, "misses": routed - hits, "fetched": routed - hits}
+        c.counters += torch.stack([vals.get(k, torch.zeros_like(routed)) for k in COUNTERS])
 
     # -- the copies ----------------------------------------------------------------------------
     def _start(self, layer: int, first: bool) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from freetoken.kernels.route import gate_topk
 from freetoken.layers.moe import FusedExperts, SparseMoE
-from freetoken.moe.expert_cache import CACHE_BACKENDS, ExpertCache, LayerBackend
+from freetoken.moe.expert_cache import CACHE_BACKENDS, FETCH_AHEAD, ExpertCache, LayerBackend
 from freetoken.moe.host_banks import bank_bytes, host_bank
 from freetoken.moe.policy import expert_format, fetch_policy, find_profile, num_slots
 from freetoken.moe.prefill_stream import PrefillStreamer
@@ -66,7 +66,9 @@ def unused_moe_flags(config, backend: str | None) -> list[str]:
              "--moe-prefill-hit-d2d": config.moe_prefill_hit_d2d and not cache,
              "--disable-moe-prefill-overlap": config.disable_moe_prefill_overlap and not cache,
              "--moe-hybrid-max-fetch": config.moe_hybrid_max_fetch is not None
-             and backend != "hybrid"}
+             and backend != "hybrid",
+             "--moe-fetch-ahead": config.moe_fetch_ahead is not None
+             and backend not in ("offload", "hybrid")}
     return [flag for flag, unused in given.items() if unused]
 
 
@@ -87,7 +89,8 @@ def configure_moe(model, config, device: torch.device):
     if unused and config.moe_backend != "auto":
         raise ValueError(f"{', '.join(unused)}: not used by --moe-backend {backend} (the "
                          "expert-cache flags go with offload, hybrid or cpu; "
-                         "--moe-hybrid-max-fetch with hybrid)")
+                         "--moe-hybrid-max-fetch with hybrid, --moe-fetch-ahead with "
+                         "offload or hybrid)")
     if unused:
         logger.warning("%s: unused, auto chose the %s MoE backend", ", ".join(unused), backend)
     if backend == "fused":
@@ -146,19 +149,37 @@ class MoERuntime:
         self.expert_bytes = self.host_bytes / total
         self.policy = fetch_policy(backend, config.moe_hybrid_max_fetch, prof,
                                    self.expert_bytes)
+        ahead = config.moe_fetch_ahead
+        if ahead is None:  # the default, where the backend fetches at all
+            ahead = 0 if self.policy.cap == 0 else FETCH_AHEAD
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
-                                 config.moe_cpu_threads, spec.top_k)
+                                 config.moe_cpu_threads, spec.top_k, ahead)
         self.prefill.attach(self.cache.cache)
         self.cache.prefill = self.prefill
         for i, m in enumerate(mods):
             m.backend = LayerBackend(self.cache, i)
         self.cache.predictors = _predictors(model, mods)
+        self.ahead_why = self._ahead_why(ahead, config.moe_fetch_ahead)
         self._report(total, sizing, device)
         self.log_interval = getattr(config, "decode_log_interval", 0) or 0
         self._steps, self._tokens = 0, 0
         self._t0: float | None = None
         self._last = self.counters()
         self._last_warm: dict[str, int] | None = None
+
+    def _ahead_why(self, asked: int, given: int | None) -> str:
+        """The fetch-ahead setting as the load log line says it."""
+        n = self.cache.fetch_ahead
+        if not n:
+            if asked:
+                return "fetch ahead off (a slot part is not whole 4-byte words: no device fill)"
+            return "fetch ahead off" + (" (--moe-fetch-ahead 0)" if given == 0 else
+                                        " (the backend fetches no misses)"
+                                        if self.policy.cap == 0 else " (the default)")
+        if not any(p is not None for p in self.cache.predictors[1:]):
+            return "fetch ahead off (no layer's router predicts from the layer before)"
+        return (f"fetch ahead: up to {n} of the next layer's predicted misses per layer call"
+                + ("" if given is not None else " (the default)"))
 
     def _report(self, total: int, sizing: str, device: torch.device) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB
@@ -167,12 +188,12 @@ class MoERuntime:
         pre = self.prefill
         logger.info("MoE %s: %d of %d experts in %d slots of %.2f MiB (%s): slot cache %.2f GiB "
                     "on %s; prefill stream buffers %d x %.2f GiB%s%s; host banks %.2f GiB, peak "
-                    "host memory %.2f GiB%s; %s", self.backend, self.num_slots, total,
+                    "host memory %.2f GiB%s; %s; %s", self.backend, self.num_slots, total,
                     self.num_slots, self.cache.cache.slot_bytes / 2**20, sizing,
                     self.cache.cache.nbytes / GiB, device, len(pre.buffers),
                     pre.buffer_bytes / GiB, "" if pre.overlap else " (no overlap)",
                     ", hits copied from slots" if pre.hit_d2d else "",
-                    self.host_bytes / GiB, peak, dev, self.policy.why)
+                    self.host_bytes / GiB, peak, dev, self.policy.why, self.ahead_why)
 
     def counters(self) -> dict[str, int]:
         return self.cache.counters()
@@ -214,9 +235,11 @@ class MoERuntime:
             w = {k: warm[k] - self._last_warm[k] for k in warm}
             wd = (f"; warmed {w['warmed'] / self.log_interval:.1f} per step ahead of the CPU, "
                   f"{w['used'] / max(1, w['warmed']):.0%} of them used")
+        ahead = (f"; fetched ahead {d['ahead']}, {d['ahead_hits'] / max(1, d['ahead']):.0%} of "
+                 "them hits" if d["ahead"] else "")
         logger.info("decode: %.1f tokens/s over %d steps; experts: hit rate %.2f (%d of %d), "
-                    "fetched %d, CPU %d (%.1f / %.1f per step)%s",
+                    "fetched %d, CPU %d (%.1f / %.1f per step)%s%s",
                     self._tokens / (now - self._t0), self.log_interval, d["hits"] / max(1, seen),
                     d["hits"], seen, d["fetched"], d["cpu"], d["fetched"] / self.log_interval,
-                    d["cpu"] / self.log_interval, wd)
+                    d["cpu"] / self.log_interval, ahead, wd)
         self._tokens, self._t0, self._last, self._last_warm = 0, now, c, warm

@@ -14,8 +14,11 @@ step needs no host sync to decide hits, victims and the map (a CUDA graph can ho
 - `last_use` int64 `[S + 1]`: the clock of the slot's last use (LRU); -1 = empty;
 - `clock` int64 `[1]`: advanced once per layer call. A slot whose last_use equals the clock
   is used by the current call and is never evicted by it.
-Counters (int64 `[4]`: hits, misses, fetched, cpu; distinct experts per layer call) are read by
-the host only when it logs or serves /metrics.
+- `fresh` int32 `[S + 1]`: 1 where a slot was filled ahead of its layer's call (`plan_ahead`)
+  and that call has not used it yet.
+Counters (int64 `[6]`: hits, misses, fetched, cpu, distinct experts per layer call; ahead, the
+experts fetched ahead, and ahead_hits, those of them that their layer's next call then
+routed to) are read by the host only when it logs or serves /metrics.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from freetoken.moe.banks import ExpertBank
 from freetoken.moe.policy import LIMIT_TABLE, limit_table
 
 ALIGN = 256  # bytes: every part of a slot starts on a 256-byte boundary (GPU loads, dtype views)
-COUNTERS = ("hits", "misses", "fetched", "cpu")
+COUNTERS = ("hits", "misses", "fetched", "cpu", "ahead", "ahead_hits")
 _NEVER = torch.iinfo(torch.int64).max
 
 
@@ -118,6 +121,7 @@ class SlotCache:
         self.owner = torch.full((S + 1,), -1, dtype=torch.int64, device=device)
         self.last_use = torch.full((S + 1,), -1, dtype=torch.int64, device=device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=device)
+        self.fresh = torch.zeros(S + 1, dtype=torch.int32, device=device)
         self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
         self._fill_tables: dict = {}  # (layer, bank address) -> fill_on_device's part table
         # whether fill_on_device can copy every layer's parts (whole 4-byte words)
@@ -176,8 +180,12 @@ class SlotCache:
         used = counts > 0
         cur = self.slot_of[base:base + E].long()
         hit, miss = used & (cur >= 0), used & (cur < 0)
-        # touch the hits: last_use = clock (masked rows write to the sink S)
-        self.last_use.index_put_((torch.where(hit, cur, S),), self.clock.expand(E))
+        # touch the hits: last_use = clock (masked rows write to the sink S); hits on slots
+        # filled ahead are counted, and those slots are no longer fresh
+        hit_slot = torch.where(hit, cur, S)
+        self.last_use.index_put_((hit_slot,), self.clock.expand(E))
+        ahead_hits = (self.fresh[hit_slot].long() * hit).sum()
+        self.fresh.index_put_((hit_slot,), torch.zeros_like(hit_slot, dtype=torch.int32))
         n = min(E, flat.numel())
         # misses first, the most-routed first, then the lower expert id (ties broken in the
         # score itself: topk's order among equal values is not specified)
@@ -198,10 +206,54 @@ class SlotCache:
         fetch = torch.arange(n, device=ids.device) < f
         vict = victims[torch.arange(n, device=ids.device).clamp(max=nv - 1)]
         self._assign(base + cand, vict, fetch)
+        zero = torch.zeros_like(f)
         if count:
-            self.counters += torch.stack([hit.sum(), miss.sum(), f, n_miss - f])
+            self.counters += torch.stack([hit.sum(), miss.sum(), f, n_miss - f, zero,
+                                          ahead_hits])
         else:
-            self.counters += torch.stack([torch.zeros_like(f), torch.zeros_like(f), f, -f])
+            self.counters += torch.stack([zero, zero, f, -f, zero, zero])
+        return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
+
+    def plan_ahead(self, layer: int, ids: torch.Tensor, limit: int,
+                   live: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots for up to `limit` of layer `layer`'s predicted experts (`ids` [T, k], the
+        routes its router gives the previous layer's input) that no slot holds, taken before
+        that layer's call (ExpertCache: fetching ahead, while the device runs the layers in
+        between): most-routed first, then the first predicted. The clock does not move: the
+        slots the current call uses stay protected, the new ones are stamped with it (so the
+        next call's fetches evict older slots first) and marked fresh; hits are not touched.
+        Returns `fetched` int64 [2, n] like `plan` (n = min(E, T*k)). On a GPU, one launch
+        (`slot_plan.ahead_triton`; live as for `plan`).
+        """
+        E, S = self.num_experts, self.num_slots
+        if self.plans_in_one_launch(ids):
+            from freetoken.kernels.triton.slot_plan import ahead_triton
+
+            return ahead_triton(self, layer, ids, limit, live)
+        base = layer * E
+        flat = ids.reshape(-1).long()
+        R = flat.numel()
+        counts = torch.zeros(E, dtype=torch.int64, device=ids.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        first = torch.full((E,), R, dtype=torch.int64, device=ids.device)
+        first.scatter_reduce_(0, flat, torch.arange(R, device=ids.device), "amin")
+        want = (counts > 0) & (self.slot_of[base:base + E] < 0)
+        n = min(E, R)
+        cand_score, cand = torch.topk(torch.where(want, counts * R + (R - 1 - first), -1), n)
+        protected = self.last_use[:S] == self.clock
+        key = torch.where(protected, _NEVER,
+                          self.last_use[:S] * (S + 1) + torch.arange(S, device=ids.device))
+        nv = min(n, S)
+        victims = torch.topk(key, nv, largest=False).indices
+        f = torch.minimum(torch.minimum((cand_score >= 0).sum(), (~protected).sum()),
+                          torch.as_tensor(max(0, min(limit, nv)), device=ids.device))
+        fetch = torch.arange(n, device=ids.device) < f
+        vict = victims[torch.arange(n, device=ids.device).clamp(max=nv - 1)]
+        self._assign(base + cand, vict, fetch)
+        self.fresh.index_put_((torch.where(fetch, vict, S),),
+                              torch.ones_like(vict, dtype=torch.int32))
+        zero = torch.zeros_like(f)
+        self.counters += torch.stack([zero, zero, zero, zero, f, zero])
         return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
 
     def _limit_cap(self, fetch_limit) -> tuple[torch.Tensor, int]:
@@ -215,8 +267,11 @@ class SlotCache:
         return table, self.num_experts if cap is None else cap
 
     def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor) -> None:
-        """slot_of[keys] = slots where fetch, evicting the slots' old owners."""
+        """slot_of[keys] = slots where fetch, evicting the slots' old owners (a fresh slot
+        evicted before its call used it is no longer fresh)."""
         S, sink = self.num_slots, self.slot_of.numel() - 1
+        self.fresh.index_put_((torch.where(fetch, slots, S),),
+                              torch.zeros_like(slots, dtype=torch.int32))
         old = self.owner[torch.where(fetch, slots, S)]
         gone = torch.where(fetch & (old >= 0), old, sink)
         self.slot_of.index_put_((gone,), torch.full_like(gone, -1, dtype=torch.int32))

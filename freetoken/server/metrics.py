@@ -67,7 +67,8 @@ class Metrics:
             "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (total)",
             "prefix_cache_hit_tokens",
         )
-        for name in ("hits", "misses", "fetched", "cpu"):  # offload / hybrid / cpu backends
+        # offload / hybrid / cpu backends (moe/slot_cache.py: COUNTERS)
+        for name in ("hits", "misses", "fetched", "cpu", "ahead", "ahead_hits"):
             self._expert_gauge(name)
         self.in_flight = Gauge(
             "freetoken_http_requests_in_flight", "Generation requests the server holds",
@@ -80,7 +81,8 @@ class Metrics:
 
     def _expert_gauge(self, name: str) -> None:
         """Expert-cache total since load (distinct experts per layer call): hits, misses and,
-        of the misses, those fetched into slots and those computed by the CPU executor."""
+        of the misses, those fetched into slots and those computed by the CPU executor; the
+        experts fetched ahead of their layer's call, and those of them it then routed to."""
         g = Gauge(f"freetoken_moe_expert_{name}", f"MoE expert cache: {name} (total)",
                   registry=self.registry)
         g.set_function(lambda: float((getattr(self._stats(), "moe_experts", None) or {})

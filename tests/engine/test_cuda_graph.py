@@ -148,14 +148,15 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
     receive kernel: FREETOKEN_GPU_RECEIVE_SHARED) give the eager steps' tokens, and the shared
     expert's stream changes no token (the same kernels on the same inputs). split: with a bw
     profile of both job sizes (policy.SplitModel's fetch tables) and graphs up to 16 rows,
-    whose 128 routes take the torch plan inside the capture."""
+    whose 128 routes take the torch plan inside the capture. Both engines fetch ahead
+    (--moe-fetch-ahead 1), in the graphs on a stream of their own."""
     from freetoken.moe import runtime
 
     monkeypatch.setenv("FREETOKEN_GPU_SIDE_STREAM", side_stream)
     monkeypatch.setenv("FREETOKEN_GPU_RECEIVE_SHARED", receive_shared)
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
     kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, moe_backend="hybrid",
-              moe_cache_rate=0.25, max_running_requests=16 if split else 4)
+              moe_cache_rate=0.25, max_running_requests=16 if split else 4, moe_fetch_ahead=1)
     if split:
         prof = {"q_star": 0.28, "expert_bytes": 1.77e6, "cpu_experts_b1": 8.0,
                 "cpu_experts_b4": 30.0, "cpu_fill_both_gbps": 100.9,
@@ -172,7 +173,9 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
     replays = count_replays(graphed)
     assert generate(graphed, params) == want
     assert len(replays) >= 8
-    assert graphed.moe.cache.counters()["cpu"] > 0  # the CPU's share was in the steps
+    c = graphed.moe.cache.counters()
+    assert c["cpu"] > 0  # the CPU's share was in the steps
+    assert c["ahead"] > 0  # and the fetch-ahead (its own stream, joined a layer on)
     graphed.moe.close()
 
 

@@ -201,8 +201,10 @@ def run_backend(case: str, backend: str, slots_per_expert: float, batch: int, te
                 device: str = "cpu"):
     model = load(case, device)
     E = next(m for m in model.modules() if isinstance(m, FusedExperts)).spec.num_experts
+    hybrid = backend == "hybrid"
     cfg = EngineConfig(moe_backend=backend, moe_cache_size=max(2, int(slots_per_expert * E)),
-                       moe_hybrid_max_fetch=1 if backend == "hybrid" else None)
+                       moe_hybrid_max_fetch=1 if hybrid else None,
+                       moe_fetch_ahead=1 if hybrid else None)
     rt = configure_moe(model, cfg, torch.device(device))
     routes = RouteCounter(model)
     toks, logits = decode(model, PROMPTS[:batch], TOKENS, teacher)
@@ -238,6 +240,12 @@ def test_backend_matches_fused(case, backend, rate, batch, device="cpu"):
         # not gemma4, whose router is its own)
         st = rt.cache._handoff.prefetch_stats()
         assert st["hints"] > 0 and st["used"] <= min(st["warmed"], st["cpu"]), st
+        # and hybrid fetched some of them ahead (--moe-fetch-ahead 1), which the next layer's
+        # call counted as hits where it routed to them (cpu fetches nothing)
+        if backend == "hybrid":
+            assert 0 < c["ahead"] and c["ahead_hits"] <= min(c["ahead"], c["hits"]), c
+        else:
+            assert c["ahead"] == c["ahead_hits"] == 0, c
     if exact:
         assert toks == ref_toks, f"{backend} parted from fused"
         return
@@ -343,8 +351,9 @@ def test_auto_and_no_gpu_are_logged(caplog):
 
 def test_unused_expert_cache_flags_are_refused_or_logged(caplog):
     """A flag the backend does not use is never silently accepted: refused with the backend
-    asked for (fused with cache flags, cpu or offload with --moe-hybrid-max-fetch), logged
-    when auto chose fused."""
+    asked for (fused with cache flags, cpu or offload with --moe-hybrid-max-fetch, cpu or
+    fused with --moe-fetch-ahead), logged when auto chose fused; a negative fetch-ahead is
+    refused by the config."""
     caplog.set_level("INFO", logger="freetoken.moe.runtime")
     cpu = torch.device("cpu")
     for cfg, flags in ((EngineConfig(moe_backend="fused", moe_cache_rate=0.5),
@@ -355,11 +364,17 @@ def test_unused_expert_cache_flags_are_refused_or_logged(caplog):
                        (EngineConfig(moe_backend="cpu", moe_hybrid_max_fetch=2),
                         "--moe-hybrid-max-fetch"),
                        (EngineConfig(moe_backend="offload", moe_hybrid_max_fetch=0),
-                        "--moe-hybrid-max-fetch")):
+                        "--moe-hybrid-max-fetch"),
+                       (EngineConfig(moe_backend="cpu", moe_fetch_ahead=2),
+                        "--moe-fetch-ahead"),
+                       (EngineConfig(moe_backend="fused", moe_fetch_ahead=0),
+                        "--moe-fetch-ahead")):
         with pytest.raises(ValueError, match=f"^{flags}: not used by --moe-backend"):
             configure_moe(load("qwen3_moe-gguf"), cfg, cpu)
     assert configure_moe(load("qwen3_moe-gguf"), EngineConfig(moe_cache_size=4), cpu) is None
     assert "--moe-cache-size: unused, auto chose the fused MoE backend" in caplog.text
+    with pytest.raises(ValueError, match="^moe_fetch_ahead must be 0 .off. or a positive"):
+        EngineConfig(moe_backend="hybrid", moe_fetch_ahead=-1)
 
 
 def test_engine_counters_and_decode_log(caplog):
@@ -370,7 +385,8 @@ def test_engine_counters_and_decode_log(caplog):
 
     caplog.set_level("INFO", logger="freetoken.moe.runtime")
     cfg = EngineConfig(model=str(hf_source("qwen3_moe")), moe_backend="hybrid",
-                       moe_cache_size=4, decode_log_interval=4, show_progress=False)
+                       moe_cache_size=4, moe_fetch_ahead=1, decode_log_interval=4,
+                       show_progress=False)
     engine = Engine(cfg)
     routes = RouteCounter(engine.model)
     # 1 prefill + 9 decode steps: the first decode step starts the clock, 8 are logged
@@ -383,6 +399,9 @@ def test_engine_counters_and_decode_log(caplog):
     lines = [r.message for r in caplog.records if r.message.startswith("decode:")]
     assert len(lines) == 2 and "hit rate" in lines[0] and "tokens/s" in lines[0], lines
     assert all("ahead of the CPU" in line for line in lines), lines  # warming's share
+    # the fetch-ahead ran, and the lines say so where an interval had some
+    assert c["ahead"] > 0 and any("fetched ahead" in line for line in lines), (c, lines)
+    assert "fetch ahead: up to 1 of the next layer's predicted misses" in caplog.text
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def test_prefill_counters(d2d):
     c = rt.counters()
     hits = int((seen & held).sum()) if d2d else 0
     assert c == {"hits": hits, "misses": routes.total - hits, "fetched": routes.total - hits,
-                 "cpu": 0}, c
+                 "cpu": 0, "ahead": 0, "ahead_hits": 0}, c
     assert calls == list(range(len(mods)))
     if d2d:
         assert 0 < hits < routes.total  # a quarter cache: both paths used

@@ -47,6 +47,8 @@ class LruModel:
         self.owner: list[tuple[int, int] | None] = [None] * slots
         self.last = [-1] * slots
         self.clock = 0
+        self.fresh: set[int] = set()  # slots filled ahead, not yet used by their layer
+        self.ahead_hits = 0
 
     def warm(self) -> None:
         for s in range(min(len(self.owner), L * E)):
@@ -66,9 +68,29 @@ class LruModel:
         free = sorted((s for s in range(len(self.owner)) if self.last[s] != self.clock),
                       key=lambda s: (self.last[s], s))
         f = min(len(misses), len(free), limit)
+        self.ahead_hits += sum(where[(layer, e)] in self.fresh for e in hits)
+        self.fresh -= {where[(layer, e)] for e in hits}
         for e, s in zip(misses[:f], free[:f]):
             self.owner[s], self.last[s] = (layer, e), self.clock
+            self.fresh.discard(s)
         return len(hits), len(misses), f
+
+    def ahead(self, layer: int, ids: list[int], limit: int) -> list[tuple[int, int]]:
+        """Slots for up to `limit` predicted experts of `layer` before its call: the clock
+        stays, the new slots are stamped with it and fresh. Returns the (expert, slot) pairs."""
+        counts: dict[int, int] = {}
+        for e in ids:
+            counts[e] = counts.get(e, 0) + 1
+        where = {o: s for s, o in enumerate(self.owner) if o is not None}
+        want = sorted((e for e in counts if (layer, e) not in where),
+                      key=lambda e: (-counts[e], ids.index(e)))
+        free = sorted((s for s in range(len(self.owner)) if self.last[s] != self.clock),
+                      key=lambda s: (self.last[s], s))
+        f = min(len(want), len(free), limit)
+        for e, s in zip(want[:f], free[:f]):
+            self.owner[s], self.last[s] = (layer, e), self.clock
+            self.fresh.add(s)
+        return list(zip(want[:f], free[:f]))
 
     def table(self) -> dict[tuple[int, int], int]:
         return {o: s for s, o in enumerate(self.owner) if o is not None}
@@ -79,19 +101,24 @@ def _table(c: SlotCache) -> dict[tuple[int, int], int]:
     return {(la, e): int(m[la, e]) for la in range(L) for e in range(E) if m[la, e] >= 0}
 
 
-@pytest.mark.parametrize("slots,limit", [(5, 99), (12, 99), (12, 1), (30, 2)])
-def test_lru_matches_python_model(slots, limit):
+@pytest.mark.parametrize("slots,limit,ahead", [(5, 99, 0), (12, 99, 0), (12, 1, 0), (30, 2, 0),
+                                               (5, 1, 2), (12, 1, 1), (20, 2, 3)])
+def test_lru_matches_python_model(slots, limit, ahead):
+    """ahead: after each call, up to that many of the next layer's experts are given slots
+    ahead of its call (`plan_ahead`), predicted from a route list that shares some of that
+    call's experts (so some fetched ahead are used, others evicted unused)."""
     banks = [_bank(i, False) for i in range(L)]
     c = SlotCache(banks, slots, "cpu")
     c.warm(banks)
     ref = LruModel(slots)
     ref.warm()
-    g = torch.Generator().manual_seed(slots * 100 + limit)
-    total = {"hits": 0, "misses": 0, "fetched": 0}
+    g = torch.Generator().manual_seed(slots * 100 + limit + 10 * ahead)
+    total = {"hits": 0, "misses": 0, "fetched": 0, "ahead": 0}
+    calls = [torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(1 + step % 3)])
+             for step in range(61)]
     for step in range(60):
         layer = step % L
-        T = 1 + step % 3
-        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+        ids = calls[step]
         h, m, f = ref.call(layer, ids.flatten().tolist(), limit)
         fetched = c.plan(layer, ids, limit)
         total["hits"] += h
@@ -99,9 +126,24 @@ def test_lru_matches_python_model(slots, limit):
         total["fetched"] += f
         assert int((fetched[0] >= 0).sum()) == f
         assert _table(c) == ref.table(), f"step {step}"
+        if ahead:
+            nxt = calls[step + 1]  # a route of the next call's rows right, one random
+            rows = ids.shape[0]  # the prediction: this call's rows (the layer's input)
+            pred = torch.stack([nxt[torch.arange(rows) % nxt.shape[0], 0],
+                                torch.randint(0, E, (rows,), generator=g)], 1)
+            want = ref.ahead((layer + 1) % L, pred.flatten().tolist(), ahead)
+            got = c.plan_ahead((layer + 1) % L, pred, ahead)
+            total["ahead"] += len(want)
+            assert got[:, :len(want)].t().tolist() == [list(p) for p in want], f"step {step}"
+            assert bool((got[:, len(want):] == -1).all())
+            assert _table(c) == ref.table(), f"step {step} ahead"
+            assert {int(s) for s in c.fresh[:slots].nonzero()} == ref.fresh
     cnt = c.read_counters()
     assert {k: cnt[k] for k in total} == total
     assert cnt["cpu"] == total["misses"] - total["fetched"]
+    assert cnt["ahead_hits"] == ref.ahead_hits
+    if ahead:
+        assert 0 < cnt["ahead_hits"] < cnt["ahead"], cnt  # some used, some not
 
 
 @pytest.mark.parametrize("nvfp4", [False, True], ids=["f32", "nvfp4"])

@@ -27,17 +27,21 @@ from test_slot_cache import E, L, LruModel, _bank, _table  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("slots,limit,pad,scan", [
-    (5, 99, False, None), (12, 1, False, None), (30, 2, False, None), (12, 0.3, False, None),
-    (30, 0.5, False, None), (5, 99, True, None), (12, 0.3, True, None), (30, 99, False, 8),
-    (12, 0.5, True, 4), (12, "model", False, None), (30, "model", True, 8)])
-def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
+@pytest.mark.parametrize("slots,limit,pad,scan,ahead", [
+    (5, 99, False, None, 0), (12, 1, False, None, 0), (30, 2, False, None, 0),
+    (12, 0.3, False, None, 0), (30, 0.5, False, None, 0), (5, 99, True, None, 0),
+    (12, 0.3, True, None, 0), (30, 99, False, 8, 0), (12, 0.5, True, 4, 0),
+    (12, "model", False, None, 0), (30, "model", True, 8, 0), (12, 1, False, None, 2),
+    (12, 0.5, True, None, 1), (20, 1, True, 4, 3)])
+def test_plan_kernel_matches_python_model(slots, limit, pad, scan, ahead, monkeypatch):
     """pad: each call also carries two rows of a CUDA graph's padding past `live` (the
     hand-off's word): the plan must ignore them (the model never sees them). scan: chunks of
     that many slots (several a pool: the victim scans read last_use from memory, not from
-    the one register chunk)."""
+    the one register chunk). ahead: after each call the ahead kernel gives up to that many
+    of the next layer's predicted experts slots (`SlotCache.plan_ahead`), predictions that
+    share one route a row with the next call (some used, some evicted unused)."""
     from freetoken.kernels.triton import slot_plan
-    from freetoken.kernels.triton.slot_plan import plan_triton
+    from freetoken.kernels.triton.slot_plan import ahead_triton, plan_triton
 
     if scan is not None:
         monkeypatch.setattr(slot_plan, "SCAN", scan)
@@ -52,12 +56,15 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
         assert policy.limits(6) == (0, 1, 1, 1, 1, 1, 2)
     else:
         policy = FetchPolicy(limit, 2, "test") if isinstance(limit, float) else limit
-    g = torch.Generator().manual_seed(slots * 100 + (7 if limit == "model" else int(limit * 10)))
-    total = {"hits": 0, "misses": 0, "fetched": 0}
+    g = torch.Generator().manual_seed(slots * 100 + (7 if limit == "model" else int(limit * 10))
+                                      + ahead)
+    total = {"hits": 0, "misses": 0, "fetched": 0, "ahead": 0}
+    calls = [torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(1 + step % 3)])
+             for step in range(61)]
     for step in range(60):
         layer = step % L
         T = 1 + step % 3
-        ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+        ids = calls[step]
         n_miss = len({e for e in ids.flatten().tolist()} - {e for la, e in ref.table()
                                                              if la == layer})
         if limit == "model":
@@ -82,9 +89,25 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, monkeypatch):
         where = ref.table()
         for e, s in fetched[:, :f].t().tolist():  # the fetch list names the new owners
             assert where[(layer, e)] == s
+        if ahead:
+            nxt = calls[step + 1]
+            rows = ids.shape[0]  # the prediction: this call's rows (the layer's input)
+            pred = torch.stack([nxt[torch.arange(rows) % nxt.shape[0], 0],
+                                torch.randint(0, E, (rows,), generator=g)], 1)
+            want = ref.ahead((layer + 1) % L, pred.flatten().tolist(), ahead)
+            pred_dev = torch.cat([pred, junk]).to(DEV) if pad else pred.to(DEV)
+            got = ahead_triton(c, (layer + 1) % L, pred_dev, ahead, live).cpu()
+            total["ahead"] += len(want)
+            assert got[:, :len(want)].t().tolist() == [list(p) for p in want], f"step {step}"
+            assert bool((got[:, len(want):] == -1).all())
+            assert _table(c) == ref.table(), f"step {step} ahead"
+            assert {int(s) for s in c.fresh[:slots].nonzero()} == ref.fresh
     cnt = c.read_counters()
     assert {k: cnt[k] for k in total} == total
     assert cnt["cpu"] == total["misses"] - total["fetched"]
+    assert cnt["ahead_hits"] == ref.ahead_hits
+    if ahead:
+        assert 0 < cnt["ahead_hits"] < cnt["ahead"], cnt  # some used, some not
 
 
 if __name__ == "__main__":
