@@ -52,6 +52,10 @@ PREFILL_TOKENS = 64
 # the H200 (35B / 30B NVFP4 hybrid, rate 0.1, batch 1) it took 15% of the CPU's experts and
 # the step still ran 11% slower with the copies queued behind the call's own fill
 FETCH_AHEAD = 0
+# Programs of an ahead fill per fetched part: its copies run beside the device's critical path
+# (attention, router), whose kernels a fill of one program per 16 KiB chunk slowed: on the
+# H200 (35B NVFP4 hybrid, batch 1) their GEMVs took 1.63 ms a step instead of 0.93
+AHEAD_FILL_PROGRAMS = 8
 
 
 _ALL = FetchPolicy(None, None, "every miss")
@@ -301,7 +305,7 @@ class ExpertCache:
         s = self.ahead_stream
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s), record_function("moe.ahead_fill"):
-            c.fill_on_device(nxt, self.hosts[nxt], fetched)
+            c.fill_on_device(nxt, self.hosts[nxt], fetched, AHEAD_FILL_PROGRAMS)
             filled = torch.cuda.Event()
             filled.record(s)
         self._ahead_events[nxt] = (planned, filled)

@@ -328,14 +328,16 @@ class SlotCache:
                 dst[name][s].copy_(t[e])
         return rows.shape[1]
 
-    def fill_on_device(self, layer: int, host: ExpertBank, fetched: torch.Tensor) -> None:
+    def fill_on_device(self, layer: int, host: ExpertBank, fetched: torch.Tensor,
+                       programs: int | None = None) -> None:
         """`fill` by a GPU kernel that reads the pinned host bank directly (kernels/triton/
         handoff.py): no host sync, so it can be captured in a CUDA graph. Needs every part's
-        bytes per expert to be a multiple of 4 (`device_fill`)."""
+        bytes per expert to be a multiple of 4 (`device_fill`). programs: per fetched part
+        (handoff.fill), None: one per chunk."""
         from freetoken.kernels.triton.handoff import fill
 
         table, max_words, vec = self._fill_table(layer, host)
-        fill(fetched, self.pool, table, max_words, vec)
+        fill(fetched, self.pool, table, max_words, vec, programs)
 
     def _fill_table(self, layer: int, host: ExpertBank) -> tuple[torch.Tensor, int, bool]:
         """(the layer's part table on the device, its largest part's words, whether all are

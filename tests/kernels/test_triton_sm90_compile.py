@@ -85,7 +85,7 @@ CASES.update({
     for rb, eb in ((8, 128), (64, 256))
 })
 _PLAN_PTRS = {"ids_ptr": "*i64", "slot_of_ptr": "*i32", "owner_ptr": "*i64",
-              "last_ptr": "*i64", "clock_ptr": "*i64", "counters_ptr": "*i64",
+              "last_ptr": "*i64", "fresh_ptr": "*i32", "clock_ptr": "*i64", "counters_ptr": "*i64",
               "lim_ptr": "*i32", "out_ptr": "*i64", "live_ptr": "*i32", "x_ptr": _BF,
               "w_ptr": "*fp32", "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32", "hx": _BF}
 # one chunk in registers (S <= SCAN) and several chunks; with and without SEND. SB, BLOCK and
@@ -96,6 +96,21 @@ CASES.update({
         "freetoken.kernels.triton.slot_plan", "_plan_kernel", _PLAN_PTRS,
         dict(S=S, E=256, LT=128, EB=256, RB=32, NB=32, HAS_LIVE=True, SEND=send, H=2048), (), None)
     for S in (1000, 2560, 9000) for send in (False, True)
+})
+# fetching ahead's plan (`slot_plan.ahead_triton`: one token of the 30B, eight of the 35B, one
+# chunk and several) and the slot fill, one program a chunk and few striding (`handoff.fill`)
+CASES.update({
+    f"slot-ahead-S{S}-R{rb}": (
+        "freetoken.kernels.triton.slot_plan", "_ahead_kernel", _PLAN_PTRS,
+        dict(S=S, E=e, EB=e, RB=rb, NB=max(16, min(e, rb)), HAS_LIVE=True), (), None)
+    for S, e, rb in ((614, 128, 16), (9000, 256, 64))
+})
+CASES.update({
+    f"fill-stride{st}": (
+        "freetoken.kernels.triton.handoff", "_fill_kernel",
+        {"fetched_ptr": "*i64", "pool_ptr": "*i32", "pool_addr": "i64", "table_ptr": "*i64"},
+        dict(CHUNK=4096, BLOCK=4096, VEC=True, STRIDE=st, ROUNDS=9 if st else 1), (), 4)
+    for st in (0, 8)
 })
 
 # the fused MoE's route grouping (`moe._align`) and the decoded rows of prefill's dense GEMM
@@ -155,6 +170,9 @@ def _compile(name: str) -> None:
     if kernel == "_plan_kernel":  # plan_triton's launch shape
         sb, warps = mod.scan_shape(const["S"])
         const = {**const, "SB": sb, "BLOCK": mod.JOB_BLOCK}
+    if kernel == "_ahead_kernel":  # ahead_triton's
+        sb, warps = mod.scan_shape(const["S"])
+        const = {**const, "SB": sb}
     sig = {p: "constexpr" if p in const else ptrs.get(p, "fp32" if p in floats else "i32")
            for p in inspect.signature(fn.fn).parameters}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),

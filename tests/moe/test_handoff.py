@@ -163,26 +163,68 @@ def test_cuda_kernels_eager_and_in_a_graph(banks):
     ho.close()
 
 
+@pytest.mark.parametrize("programs", [None, 1, 3])
+def test_fill_kernel_matches_host_fill(programs, monkeypatch):
+    """The slot fill kernel (a GPU kernel reading the pinned host banks; here Triton's
+    interpreter over host tensors, or CUDA) against the host copies: one program a chunk, or
+    `programs` a part striding over their chunks (fetching ahead's grid), with 64-word chunks
+    so that every part here takes several."""
+    from test_slot_cache import L as LAYERS
+    from test_slot_cache import _bank
+
+    from freetoken.kernels.triton import handoff
+    from freetoken.moe.slot_cache import SlotCache
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hosts = [_bank(i, True) for i in range(LAYERS)]
+    if dev == "cuda":
+        from freetoken.moe.host_banks import host_bank
+
+        hosts = [host_bank(b, True) for b in hosts]
+    monkeypatch.setattr(handoff, "FILL_CHUNK", 64)
+    got, ref = SlotCache(hosts, 5, dev), SlotCache(hosts, 5, dev)
+    for layer, ids in ((0, [[1, 4, 6]]), (1, [[2, 3, 7]]), (0, [[0, 5], [6, 2]])):
+        t = torch.tensor(ids, device=dev)
+        a, b = got.plan(layer, t, 99), ref.plan(layer, t, 99)
+        assert torch.equal(a, b) and int((a[0] >= 0).sum()) > 0
+        table, max_words, vec = got._fill_table(layer, hosts[layer])
+        assert vec and max_words > 3 * 64  # 16-byte units; several chunks a part
+        handoff.fill(a, got.pool, table, max_words, vec, programs)
+        ref.fill(layer, hosts[layer], b)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(got.pool, ref.pool), f"layer {layer}"
+
+
 @cuda
-def test_cuda_fill_kernel_matches_host_fill(banks):
+def test_cuda_fill_kernel_matches_host_fill(banks, monkeypatch):
+    from freetoken.kernels.triton import handoff
     from freetoken.kernels.triton.handoff import fill
     from freetoken.moe.host_banks import host_bank
     from freetoken.moe.slot_cache import SlotCache
 
     hosts = [host_bank(b, True) for b in banks]
-    dev, ref, words = (SlotCache(hosts, 5, "cuda") for _ in range(3))
+    dev, ref, words, few = (SlotCache(hosts, 5, "cuda") for _ in range(4))
     assert dev.device_fill
     for layer, ids in ((0, [[1, 4, 6]]), (1, [[2, 3, 7]]), (0, [[0, 5, 6]])):
         t = torch.tensor(ids, device="cuda")
         a, b, c = dev.plan(layer, t, 99), ref.plan(layer, t, 99), words.plan(layer, t, 99)
-        assert torch.equal(a, b) and torch.equal(a, c)
+        d = few.plan(layer, t, 99)
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
         dev.fill_on_device(layer, hosts[layer], a)  # 16-byte units (every size here allows)
         assert dev._fill_table(layer, hosts[layer])[2]
         table, max_words, _ = words._fill_table(layer, hosts[layer])
         fill(c, words.pool, table, max_words, vec=False)  # 4-byte words
+        # one program a part striding over its chunks (an ahead fill's grid), with chunks of
+        # 64 words so that it strides at these sizes
+        table, max_words, vec = few._fill_table(layer, hosts[layer])
+        monkeypatch.setattr(handoff, "FILL_CHUNK", 64)
+        fill(d, few.pool, table, max_words, vec, programs=1)
+        monkeypatch.undo()
         ref.fill(layer, hosts[layer], b)
         torch.cuda.synchronize()
         assert torch.equal(dev.pool, ref.pool) and torch.equal(words.pool, ref.pool)
+        assert torch.equal(few.pool, ref.pool)
 
 
 def test_a_job_posted_as_the_worker_starts_is_answered(banks):

@@ -207,34 +207,52 @@ def _hint_kernel(ids_ptr, map_ptr, live_ptr, seq_ptr, hi32, o_hint, layer, T, K,
 
 
 @triton.jit
+def _copy_chunk(pool_ptr, pool_addr, src_addr, e, dst0, nw, c0, CHUNK: tl.constexpr,
+                BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Words c0 .. c0 + CHUNK (those below nw) of expert e's part at src_addr into the pool
+    from word dst0 on (`_fill_kernel`)."""
+    if VEC:
+        src0 = tl.multiple_of((src_addr - pool_addr) // 4 + e * nw + c0, 4)
+        dst0 = tl.multiple_of(dst0, 4)
+        src = pool_ptr + src0
+    else:
+        src = src_addr.to(tl.pointer_type(tl.int32)) + e * nw + c0
+    dst = pool_ptr + dst0
+    offs = tl.arange(0, BLOCK)
+    for b in tl.static_range(0, CHUNK, BLOCK):
+        m = c0 + b + offs < nw
+        tl.store(dst + b + offs, tl.load(src + b + offs, mask=m), mask=m)
+
+
+@triton.jit
 def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                 STRIDE: tl.constexpr = 0, ROUNDS: tl.constexpr = 1):
     """Program (i, part, chunk): CHUNK words of fetch i's part from its host bank into its
-    slot. VEC: every address and size is a multiple of 16 bytes, told to the compiler by
-    reading the host through `pool_ptr` plus a word offset known to be a multiple of 4 (a
-    pointer loaded from the table carries no alignment): 16-byte loads and stores, so each
-    PCIe read request carries 4x the bytes, and the whole chunk's loads go out at once."""
+    slot; with STRIDE, chunks chunk, chunk + STRIDE, ... of it, ROUNDS at most (a grid of few
+    programs, which leaves the SMs to the kernels beside it). VEC: every address and size is
+    a multiple of 16 bytes, told to the compiler by reading the host through `pool_ptr` plus
+    a word offset known to be a multiple of 4 (a pointer loaded from the table carries no
+    alignment): 16-byte loads and stores, so each PCIe read request carries 4x the bytes, and
+    the whole chunk's loads go out at once."""
     i = tl.program_id(0)
     part = tl.program_id(1)
-    c0 = tl.program_id(2) * CHUNK
     e = tl.load(fetched_ptr + i)
     s = tl.load(fetched_ptr + n + i)
     src_addr = tl.load(table_ptr + part * 3)
     off = tl.load(table_ptr + part * 3 + 1)
     nw = tl.load(table_ptr + part * 3 + 2)
-    if (e >= 0) & (c0 < nw):
-        dst0 = s * slot_words + off + c0
-        if VEC:
-            src0 = tl.multiple_of((src_addr - pool_addr) // 4 + e * nw + c0, 4)
-            dst0 = tl.multiple_of(dst0, 4)
-            src = pool_ptr + src0
-        else:
-            src = src_addr.to(tl.pointer_type(tl.int32)) + e * nw + c0
-        dst = pool_ptr + dst0
-        offs = tl.arange(0, BLOCK)
-        for b in tl.static_range(0, CHUNK, BLOCK):
-            m = c0 + b + offs < nw
-            tl.store(dst + b + offs, tl.load(src + b + offs, mask=m), mask=m)
+    if STRIDE:  # ROUNDS chunks at most (the largest part's), a constant trip count
+        for r in range(0, ROUNDS):
+            c0 = (tl.program_id(2) + r * STRIDE) * CHUNK
+            if (e >= 0) & (c0 < nw):
+                _copy_chunk(pool_ptr, pool_addr, src_addr, e, s * slot_words + off + c0, nw,
+                            c0, CHUNK, BLOCK, VEC)
+    else:
+        c0 = tl.program_id(2) * CHUNK
+        if (e >= 0) & (c0 < nw):
+            _copy_chunk(pool_ptr, pool_addr, src_addr, e, s * slot_words + off + c0, nw, c0,
+                        CHUNK, BLOCK, VEC)
 
 
 def interp_rounds(tokens: int, top_k: int, hidden: int, block: int) -> dict[str, int]:
@@ -341,14 +359,19 @@ def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> tuple[torc
 
 
 def fill(fetched: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, max_words: int,
-         vec: bool = False) -> None:
+         vec: bool = False, programs: int | None = None) -> None:
     """Copy fetched experts into slots. fetched int64 [2, n] (expert, slot; -1 = none) on the
     device; pool uint8 [S, slot_bytes] on the device; table, vec: `fill_table` of the layer's
-    parts; max_words: its largest part's words per expert."""
+    parts; max_words: its largest part's words per expert. programs: that many programs a
+    fetched part, each copying every programs-th chunk (few SMs taken from the kernels that
+    run beside the copies: fetching ahead), else one a chunk (the most copies in flight)."""
     n = fetched.shape[1]
     if n == 0:
         return
     vec = vec and pool.data_ptr() % 16 == 0 and pool.shape[1] % 16 == 0
-    _fill_kernel[(n, table.shape[0], triton.cdiv(max_words, FILL_CHUNK))](
+    chunks = triton.cdiv(max_words, FILL_CHUNK)
+    stride = 0 if programs is None or programs >= chunks else programs
+    _fill_kernel[(n, table.shape[0], stride or chunks)](
         fetched, n, pool.view(torch.int32), pool.data_ptr(), pool.shape[1] // 4, table,
-        CHUNK=FILL_CHUNK, BLOCK=FILL_CHUNK if vec else 1024, VEC=vec, num_warps=4)
+        CHUNK=FILL_CHUNK, BLOCK=min(FILL_CHUNK, 1024) if not vec else FILL_CHUNK, VEC=vec,
+        STRIDE=stride, ROUNDS=triton.cdiv(chunks, stride) if stride else 1, num_warps=4)
