@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The expert-cache backends (offload, cpu, hybrid) on one GPU machine, in one command, each
 # stage time-limited and writing under OUT_DIR:
-#   bash benchmarks/gpu_moe_backends.sh smoke|quick|full|all OUT_DIR [BASE_TREE]
+#   bash benchmarks/gpu_moe_backends.sh smoke|quick|ahead|full|all OUT_DIR [BASE_TREE]
 # 1. the CPU MoE executor built here with cmake (skipped when freetoken/ holds a build of
 #    the same csrc: build.stamp), copied into freetoken/;
 # 2. `ft bench bw` for q4_k and nvfp4 (writes the profile hybrid's q* and the ceilings use);
@@ -15,14 +15,20 @@
 #    rate 0.25, batch 1 and 4, in a process of its own), Qwen3-30B-A3B Q4_K and NVFP4 at
 #    batch 1 and 4, the 35B's prefill of 512 and 2048 tokens, and a profiled hybrid step of
 #    the 35B at batch 1 (kernels and the hand-off worker's table);
+# ahead (about 6 minutes): 3. the CUDA tests of fetching ahead (the plan and fill kernels, a
+#    graphed hybrid engine against an eager one); 4. --moe-fetch-ahead 0 / 1 / 2 alternated
+#    (benchmarks/ab_env.py) on the 35B NVFP4 hybrid at batch 1 and 4 and the 30B NVFP4 and
+#    Q4_K hybrids at batch 1, rate 0.1; profiled 35B steps at batch 1 with 0 and 1 (where
+#    the CPU waits for the device, the kernels beside the copies);
 # full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
 #    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
 #    model loaded once); all: smoke, then full.
 set -uo pipefail
-mode=${1:?usage: gpu_moe_backends.sh smoke|quick|full|all OUT_DIR [BASE_TREE]}
-out=${2:?usage: gpu_moe_backends.sh smoke|quick|full|all OUT_DIR [BASE_TREE]}
-case $mode in smoke|quick|full|all) ;; *) echo "mode must be smoke, quick, full or all" >&2; exit 2;; esac
+mode=${1:?usage: gpu_moe_backends.sh smoke|quick|ahead|full|all OUT_DIR [BASE_TREE]}
+out=${2:?usage: gpu_moe_backends.sh smoke|quick|ahead|full|all OUT_DIR [BASE_TREE]}
+case $mode in smoke|quick|ahead|full|all) ;; *)
+  echo "mode must be smoke, quick, ahead, full or all" >&2; exit 2;; esac
 base=${3:-}
 full_limit=${FULL_STAGE_SECONDS:-400}  # per model of the full sweeps
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -87,6 +93,29 @@ or greedy or gate"
     --dummy-weights --dummy-format nvfp4 --moe-backend hybrid --moe-cache-rate 0.1 --batch 1 \
     --steps 10 --warmup 3 --rows 30 --prompt-len 32
 fi
+if [ "$mode" = ahead ]; then
+  stage tests 200 python3 -m pytest -q -p no:cacheprovider tests/moe/test_slot_plan.py \
+    tests/moe/test_handoff.py "tests/engine/test_cuda_graph.py::test_cache_backend_graphs_give_the_eager_tokens" \
+    -k "plan or fill or cache_backend"
+  ab() {  # ab NAME SECONDS MODEL FORMAT BATCHES AHEADS...
+    local name=$1 limit=$2 model=$3 fmt=$4 batches=$5 sets=()
+    shift 5
+    for n in "$@"; do sets+=(--set "moe_fetch_ahead=$n"); done
+    stage "$name" "$limit" python3 benchmarks/ab_env.py --model "$model" --dummy-weights \
+      --dummy-format "$fmt" --moe-backend hybrid --moe-cache-rate 0.1 --batch "$batches" \
+      --rounds 2 --tokens 32 --warmup 4 --prompt-len 32 --cuda-graph-max-bs 4 \
+      --decode-log-interval 16 "${sets[@]}"
+  }
+  ab a_35b 200 qwen3.6-35b-a3b nvfp4 1,4 0 1 2
+  ab a_30b_nvfp4 120 qwen3-30b-a3b nvfp4 1 0 1
+  ab a_30b_q4k 120 qwen3-30b-a3b q4_k 1 0 1
+  for n in 0 1; do
+    stage "a_35b_profile$n" 90 python3 benchmarks/profile_decode_step.py \
+      --model qwen3.6-35b-a3b --dummy-weights --dummy-format nvfp4 --moe-backend hybrid \
+      --moe-cache-rate 0.1 --batch 1 --steps 4 --rows 16 --prompt-len 32 \
+      --cuda-graph-max-bs 4 --moe-fetch-ahead "$n"
+  done
+fi
 if [ "$mode" = smoke ] || [ "$mode" = all ]; then
   stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_handoff.py \
     tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
@@ -113,7 +142,7 @@ if [ "$mode" = full ] || [ "$mode" = all ]; then
 fi
 rm -f "$out"/*-trace*.json  # the tables are in the .txt files; traces are large
 grep -h "FAILED\|Error\|passed\|failed" "$out/tests.txt" 2>/dev/null | head -20
-grep -h -A12 "^batch\|^ prompt\|^step\|exit\|hand-off worker" "$out"/*.txt | cut -c1-160 | tail -n 150
+grep -h -A12 "^batch\|^ prompt\|^step\|exit\|hand-off worker\|^setting" "$out"/*.txt | cut -c1-160 | tail -n 150
 # one archive: the device tool brings back only a few files
 tar -czf /tmp/gpu_moe_results.tgz -C "$out" . && rm -rf "${out:?}"/* && \
   mv /tmp/gpu_moe_results.tgz "$out/results.tgz"
