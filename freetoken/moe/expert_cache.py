@@ -179,12 +179,12 @@ class ExpertCache:
         for held in [k for k in self._ahead_events if k < layer or (k == layer and not split)]:
             for ev in self._ahead_events.pop(held):  # a call that does not join them itself
                 torch.cuda.current_stream(self.device).wait_event(ev)
+        if split:
+            return self._split(layer, x, ids, w, activation, side)
         if self.prefill is not None and T >= PREFILL_TOKENS:
             y = self.prefill.forward(layer, x, ids, w, activation)
-        elif T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()):
-            y = self._fetch_all(layer, x, ids, w, activation)
         else:
-            return self._split(layer, x, ids, w, activation, side)
+            y = self._fetch_all(layer, x, ids, w, activation)
         return y if side is None else side(y)
 
     def _split(self, layer: int, x, ids, w, activation: str, side: Callable | None = None):
@@ -207,17 +207,16 @@ class ExpertCache:
         if ahead_plan is not None:
             torch.cuda.current_stream(self.device).wait_event(ahead_plan)
         with record_function("moe.plan"):
-            live = ho.live if ho is not None and self.device.type == "cuda" else None
+            live = ho.live if ho is not None and on_gpu else None
             # on a GPU the plan kernel also posts the CPU's job, with the map it writes
             job = (ho.job(layer, x, ids, w, activation)
                    if ho is not None and c.plans_in_one_launch(ids) else None)
             fetched = c.plan(layer, ids, _ALL if self.fetch_all else self.fetch_limit,
                              live=live, job=job)
-            E = c.num_experts
-            emap = c.slot_of[layer * E:(layer + 1) * E]  # hits and fetched: a slot; else -1
+            emap = self._slot_map(layer)  # hits and fetched: a slot; else -1
         # the next layer's slots given ahead (and its hint, after them): on a GPU on the
         # ahead stream after the job; with the CPU standing in, before the hint
-        ahead = self._ahead_plan(layer, x, ho)
+        ahead = self._ahead_plan(layer, x, ho, live)
         # the next layer's hint: after the job on a GPU (tagged by the job counter the plan or
         # send kernel advanced), before it with the CPU standing in (tagged with the number
         # the job will get, so the worker finds it when it is done)
@@ -258,20 +257,28 @@ class ExpertCache:
             self._ahead_fill(layer + 1, ahead)
         return y
 
-    def _ahead_plan(self, layer: int, x, ho: Handoff | None):
+    def _predicted(self, layer: int, x) -> int | None:
+        """The next MoE layer, where its router can predict its routes from this call's input
+        x (a SparseMoE's, a decode-sized call), else None."""
+        nxt = layer + 1
+        if (nxt >= len(self.predictors) or self.predictors[nxt] is None
+                or x.shape[0] * self.top_k > HINT_ROUTES):
+            return None
+        return nxt
+
+    def _ahead_plan(self, layer: int, x, ho: Handoff | None, live: torch.Tensor | None):
         """Slots for the next MoE layer's predicted misses (`SlotCache.plan_ahead`: its router
         on this layer's input x, at most `fetch_ahead`, most-routed first), taken now so that
         their copies run while the device computes this layer's rest and the next layer's
         attention, when the copy engine is idle; that call then finds them as hits (and the
         CPU computes fewer experts). With warming on, the next layer's hint follows them (it
         then names only experts without a slot). On a GPU all of it runs on the ahead stream
-        after the job was posted. Returns the fetch list for `_ahead_fill`, or None."""
-        nxt = layer + 1
-        if (not self.fetch_ahead or nxt >= len(self.predictors) or self.predictors[nxt] is None
-                or x.shape[0] * self.top_k > HINT_ROUTES):
+        after the job was posted; live: the plan's. Returns the fetch list for `_ahead_fill`,
+        or None."""
+        nxt = self._predicted(layer, x) if self.fetch_ahead else None
+        if nxt is None:
             return None
         c = self.cache
-        live = ho.live if ho is not None and self.device.type == "cuda" else None
         warm = ho is not None and self.prefetch and not self.fetch_all
         with record_function("moe.ahead"):
             if self.ahead_stream is None:  # the CPU standing in: in line
@@ -285,8 +292,7 @@ class ExpertCache:
                 planned = torch.cuda.Event()
                 planned.record(s)
                 if warm:
-                    E = c.num_experts
-                    ho.hint(nxt, ids, c.slot_of[nxt * E:(nxt + 1) * E])
+                    ho.hint(nxt, ids, self._slot_map(nxt))
         return fetched, planned
 
     def _ahead_fill(self, nxt: int, ahead) -> None:
@@ -315,12 +321,10 @@ class ExpertCache:
         call runs (moe/handoff.py: warming): its router on this layer's input x, less what
         its slots hold. Inside a CUDA graph on the side stream (off the device's path to the
         receive); True when it went there (the caller joins it before the receive)."""
-        nxt = layer + 1
-        if (not self.prefetch or self.fetch_all or nxt >= len(self.predictors)
-                or self.predictors[nxt] is None or x.shape[0] * self.top_k > HINT_ROUTES):
+        nxt = None if not self.prefetch or self.fetch_all else self._predicted(layer, x)
+        if nxt is None:
             return False
-        E = self.cache.num_experts
-        emap = self.cache.slot_of[nxt * E:(nxt + 1) * E]
+        emap = self._slot_map(nxt)
         side = self.side_stream if capturing else None
         with record_function("moe.hint"):
             if side is None:
@@ -330,6 +334,11 @@ class ExpertCache:
             with torch.cuda.stream(side):
                 ho.hint(nxt, self.predictors[nxt](x), emap)
         return True
+
+    def _slot_map(self, layer: int) -> torch.Tensor:
+        """The layer's expert -> slot map, a view of the cache's (read when a kernel runs)."""
+        E = self.cache.num_experts
+        return self.cache.slot_of[layer * E:(layer + 1) * E]
 
     def _side_terms(self, side: Callable | None):
         """The side work's terms started on the side stream (after what the compute stream

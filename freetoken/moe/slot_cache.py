@@ -193,18 +193,12 @@ class SlotCache:
         score = torch.where(miss, counts * E + (E - 1 - arange_e), -1)
         cand_score, cand = torch.topk(score, n)
         n_miss = (cand_score >= 0).sum()
-        # victims: the oldest slots this call does not use (hits were just stamped); among
-        # equally old ones the lower slot index
-        protected = self.last_use[:S] == self.clock
-        order = self.last_use[:S] * (S + 1) + torch.arange(S, device=ids.device)
-        key = torch.where(protected, _NEVER, order)
-        nv = min(n, S)
-        victims = torch.topk(key, nv, largest=False).indices
+        # victims: the oldest slots this call does not use (hits were just stamped)
+        vict, free, nv = self._victims(n)
         limit = fetch_limit(n_miss) if callable(fetch_limit) else fetch_limit
-        f = torch.minimum(torch.minimum(n_miss, (~protected).sum()),
+        f = torch.minimum(torch.minimum(n_miss, free),
                           torch.as_tensor(limit, device=ids.device).clamp(0, nv))
         fetch = torch.arange(n, device=ids.device) < f
-        vict = victims[torch.arange(n, device=ids.device).clamp(max=nv - 1)]
         self._assign(base + cand, vict, fetch)
         zero = torch.zeros_like(f)
         if count:
@@ -240,21 +234,28 @@ class SlotCache:
         want = (counts > 0) & (self.slot_of[base:base + E] < 0)
         n = min(E, R)
         cand_score, cand = torch.topk(torch.where(want, counts * R + (R - 1 - first), -1), n)
-        protected = self.last_use[:S] == self.clock
-        key = torch.where(protected, _NEVER,
-                          self.last_use[:S] * (S + 1) + torch.arange(S, device=ids.device))
-        nv = min(n, S)
-        victims = torch.topk(key, nv, largest=False).indices
-        f = torch.minimum(torch.minimum((cand_score >= 0).sum(), (~protected).sum()),
+        vict, free, nv = self._victims(n)
+        f = torch.minimum(torch.minimum((cand_score >= 0).sum(), free),
                           torch.as_tensor(max(0, min(limit, nv)), device=ids.device))
         fetch = torch.arange(n, device=ids.device) < f
-        vict = victims[torch.arange(n, device=ids.device).clamp(max=nv - 1)]
         self._assign(base + cand, vict, fetch)
         self.fresh.index_put_((torch.where(fetch, vict, S),),
                               torch.ones_like(vict, dtype=torch.int32))
         zero = torch.zeros_like(f)
         self.counters += torch.stack([zero, zero, zero, zero, f, zero])
         return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
+
+    def _victims(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(the n slots fetches take in turn: the oldest not stamped with the clock, among
+        equally old ones the lower index, the last repeated past nv; how many slots are not
+        stamped, a 0-dim tensor; nv = min(n, S))."""
+        S = self.num_slots
+        protected = self.last_use[:S] == self.clock
+        order = self.last_use[:S] * (S + 1) + torch.arange(S, device=self.device)
+        nv = min(n, S)
+        victims = torch.topk(torch.where(protected, _NEVER, order), nv, largest=False).indices
+        return (victims[torch.arange(n, device=self.device).clamp(max=nv - 1)],
+                (~protected).sum(), nv)
 
     def _limit_cap(self, fetch_limit) -> tuple[torch.Tensor, int]:
         """(the plan kernel's table of F for 0 .. LIMIT_TABLE - 1 misses, an int32 device

@@ -106,11 +106,11 @@ CASES.update({
     for S, e, rb in ((614, 128, 16), (9000, 256, 64))
 })
 CASES.update({
-    f"fill-stride{st}": (
+    f"fill-rounds{rounds}": (
         "freetoken.kernels.triton.handoff", "_fill_kernel",
         {"fetched_ptr": "*i64", "pool_ptr": "*i32", "pool_addr": "i64", "table_ptr": "*i64"},
-        dict(CHUNK=4096, BLOCK=4096, VEC=True, STRIDE=st, ROUNDS=9 if st else 1), (), 4)
-    for st in (0, 8)
+        dict(CHUNK=4096, BLOCK=4096, VEC=True, ROUNDS=rounds), (), 4)
+    for rounds in (1, 9)
 })
 
 # the fused MoE's route grouping (`moe._align`) and the decoded rows of prefill's dense GEMM

@@ -225,12 +225,13 @@ def _copy_chunk(pool_ptr, pool_addr, src_addr, e, dst0, nw, c0, CHUNK: tl.conste
 
 
 @triton.jit
-def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
+def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr, stride,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                 STRIDE: tl.constexpr = 0, ROUNDS: tl.constexpr = 1):
-    """Program (i, part, chunk): CHUNK words of fetch i's part from its host bank into its
-    slot; with STRIDE, chunks chunk, chunk + STRIDE, ... of it, ROUNDS at most (a grid of few
-    programs, which leaves the SMs to the kernels beside it). VEC: every address and size is
+                 ROUNDS: tl.constexpr = 1):
+    """Program (i, part, c): chunks c, c + stride, ... (ROUNDS of them, those inside the part)
+    of CHUNK words of fetch i's part from its host bank into its slot: one each where the
+    grid has a program per chunk, several in a grid of few programs (which leaves the SMs to
+    the kernels beside it). VEC: every address and size is
     a multiple of 16 bytes, told to the compiler by reading the host through `pool_ptr` plus
     a word offset known to be a multiple of 4 (a pointer loaded from the table carries no
     alignment): 16-byte loads and stores, so each PCIe read request carries 4x the bytes, and
@@ -242,14 +243,8 @@ def _fill_kernel(fetched_ptr, n, pool_ptr, pool_addr, slot_words, table_ptr,
     src_addr = tl.load(table_ptr + part * 3)
     off = tl.load(table_ptr + part * 3 + 1)
     nw = tl.load(table_ptr + part * 3 + 2)
-    if STRIDE:  # ROUNDS chunks at most (the largest part's), a constant trip count
-        for r in range(0, ROUNDS):
-            c0 = (tl.program_id(2) + r * STRIDE) * CHUNK
-            if (e >= 0) & (c0 < nw):
-                _copy_chunk(pool_ptr, pool_addr, src_addr, e, s * slot_words + off + c0, nw,
-                            c0, CHUNK, BLOCK, VEC)
-    else:
-        c0 = tl.program_id(2) * CHUNK
+    for r in range(0, ROUNDS):  # a constant trip count (the largest part's)
+        c0 = (tl.program_id(2) + r * stride) * CHUNK
         if (e >= 0) & (c0 < nw):
             _copy_chunk(pool_ptr, pool_addr, src_addr, e, s * slot_words + off + c0, nw, c0,
                         CHUNK, BLOCK, VEC)
@@ -370,8 +365,8 @@ def fill(fetched: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, max_wor
         return
     vec = vec and pool.data_ptr() % 16 == 0 and pool.shape[1] % 16 == 0
     chunks = triton.cdiv(max_words, FILL_CHUNK)
-    stride = 0 if programs is None or programs >= chunks else programs
-    _fill_kernel[(n, table.shape[0], stride or chunks)](
-        fetched, n, pool.view(torch.int32), pool.data_ptr(), pool.shape[1] // 4, table,
-        CHUNK=FILL_CHUNK, BLOCK=min(FILL_CHUNK, 1024) if not vec else FILL_CHUNK, VEC=vec,
-        STRIDE=stride, ROUNDS=triton.cdiv(chunks, stride) if stride else 1, num_warps=4)
+    stride = chunks if programs is None else min(programs, chunks)
+    _fill_kernel[(n, table.shape[0], stride)](
+        fetched, n, pool.view(torch.int32), pool.data_ptr(), pool.shape[1] // 4, table, stride,
+        CHUNK=FILL_CHUNK, BLOCK=FILL_CHUNK if vec else min(FILL_CHUNK, 1024), VEC=vec,
+        ROUNDS=triton.cdiv(chunks, stride), num_warps=4)
