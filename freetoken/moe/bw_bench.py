@@ -13,7 +13,8 @@ Per expert format, in one run (a layer shape of the seed's headline model, 2048x
 - fill: the same experts fetched by the slot-fill kernel, as decode steps fetch them inside a
   CUDA graph (the GPU's threads read the pinned banks; no copy engine);
 - both: each of the two fetch paths and the executor at once (the executor in a thread, it
-  releases the GIL; copies on the main thread), since they share the host's memory bandwidth.
+  releases the GIL; copies on the main thread), since they share the host's memory bandwidth;
+  the medians of ROUNDS rounds too (`both_rounds`), their executor spread reported alike.
 q* = B_fetch / (B_fetch + B_cpu) from the fill kernel's "both" figures (the copy engine's
 where no fill was measured) is what the hybrid backend fetches of its misses; the fill is also
 measured beside the executor's jobs of four tokens (about 30 experts, which it reads faster
@@ -177,19 +178,35 @@ def both(cpu: CpuSide, pcie: PcieSide, seconds: float) -> tuple[float, float]:
     return res["cpu"], res["pcie"]
 
 
+def both_rounds(cpu: CpuSide, side: PcieSide, seconds: float) -> tuple[float, float, float]:
+    """(cpu GB/s, side GB/s, spread): the medians of ROUNDS runs of `both` over `seconds` in
+    all, and the spread of the executor's figures ((max - min) / median). One run of a second
+    measured a transient: on an H200 host (2026-12-03) the executor beside the fill read 49
+    GB/s on one-token Q4_K jobs and 85 on four-token ones, where it read 84 alone and the
+    NVFP4 jobs beside the fill 97 and 112; fitted as a job's fixed cost (policy.SplitModel)
+    that was 163 us against 26 for NVFP4, and the 30B Q4_K hybrid fetched 3 of 7 misses."""
+    runs = [both(cpu, side, seconds / ROUNDS) for _ in range(ROUNDS)]
+    c, s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+    figures = [r[0] for r in runs]
+    return c, s, (max(figures) - min(figures)) / c if c > 0 else 0.0
+
+
 def _fetch_path(cpu: CpuSide, side: PcieSide, seconds: float,
-                cpu4: CpuSide | None = None) -> tuple[float, ...]:
-    """(side alone, cpu while both run, side while both run) GB/s of one fetch path (after a
-    short warm-up), and with cpu4 the last two again with cpu4's jobs; the side is closed
-    afterwards."""
+                cpu4: CpuSide | None = None) -> tuple[tuple[float, ...], float]:
+    """((side alone, cpu while both run, side while both run) GB/s of one fetch path (after a
+    short warm-up), and with cpu4 the last two again with cpu4's jobs; the largest spread of
+    the executor's rounds beside the side (`both_rounds`)); the side is closed afterwards."""
     try:
         side.run(min(0.1, seconds))
         alone = side.run(seconds)
-        res = (alone, *both(cpu, side, seconds))
+        c, s, spread = both_rounds(cpu, side, seconds)
+        res = (alone, c, s)
         if cpu4 is not None:
             cpu4.run(min(0.1, seconds))
-            res += both(cpu4, side, seconds)
-        return res
+            c4, s4, spread4 = both_rounds(cpu4, side, seconds)
+            res += (c4, s4)
+            spread = max(spread, spread4)
+        return res, spread
     finally:
         side.close()
 
@@ -225,15 +242,21 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
            "cpu_gbps": mid, "cpu_rounds_gbps": rounds, "cpu_spread": spread,
            "pcie_gbps": None, "cpu_both_gbps": None, "pcie_both_gbps": None}
     if torch.cuda.is_available():
-        res["pcie_gbps"], res["cpu_both_gbps"], res["pcie_both_gbps"] = \
+        (res["pcie_gbps"], res["cpu_both_gbps"], res["pcie_both_gbps"]), spread_pcie = \
             _fetch_path(cpu, PcieSide(lb), seconds)
         # the fill again with the executor's jobs of a batch of four (policy.SplitModel: the
         # executor reads faster on larger jobs, which moves the split)
         cpu4 = CpuSide(lb, cpu.ex, 4)
         (res["fill_gbps"], res["cpu_fill_both_gbps"], res["fill_both_gbps"],
-         res["cpu_fill_both_b4_gbps"], res["fill_both_b4_gbps"]) = \
+         res["cpu_fill_both_b4_gbps"], res["fill_both_b4_gbps"]), spread_fill = \
             _fetch_path(cpu, FillSide(lb), seconds, cpu4)
         res["cpu_experts_b1"], res["cpu_experts_b4"] = cpu.experts, cpu4.experts
+        res["both_spread"] = max(spread_pcie, spread_fill)
+        if res["both_spread"] > SPREAD_WARN:
+            log(f"  {fmt}: the executor's rounds beside the copies disagree by "
+                f"{res['both_spread']:.0%}: this machine's memory bandwidth varied during the "
+                "run, so q* and the split may not fit it; run `ft bench bw` again on a quiet "
+                "machine")
     # q*: decode steps fetch with the fill kernel (inside CUDA graphs), so its figure with
     # the executor running decides the split where it was measured
     b_cpu = res.get("cpu_fill_both_gbps") or res["cpu_both_gbps"] or res["cpu_gbps"]

@@ -149,7 +149,11 @@ class SplitModel:
         t1, t4 = n1 * us / c1, n4 * us / c4  # a job's time at each size
         t_e = (t4 - t1) / (n4 - n1)
         t0 = t1 - n1 * t_e
-        if t_e <= 0 or t0 < 0:  # noise, or a larger job reading slower: one figure (q*)
+        # noise, a larger job reading slower, or a fixed cost above half the one-token job
+        # (the executor's start, barrier and tail: 20-30 us of some 150 on the H200 host;
+        # 163 us came from a one-token figure measured during a transient, bw_bench's
+        # both_rounds): one figure (q*)
+        if t_e <= 0 or t0 < 0 or t0 > t1 / 2:
             t0, t_e = 0.0, us / c1
         r = 1.0 if expert_bytes is None else float(expert_bytes) / b
         return cls(t0, t_e * r, n1, n4, us / f1 * r, us / f4 * r)
@@ -261,7 +265,7 @@ def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None,
     cap = None if max_fetch in (None, -1) else max_fetch
     if profile is not None:
         q = float(profile["q_star"])
-        spread = profile.get("cpu_spread") or 0.0
+        spread = max(profile.get("cpu_spread") or 0.0, profile.get("both_spread") or 0.0)
         busy = (f" (measured while this machine's memory bandwidth varied: its executor "
                 f"rounds {spread:.0%} apart; run `ft bench bw` again on a quiet machine)"
                 if spread > SPREAD_WARN else "")

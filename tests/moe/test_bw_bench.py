@@ -95,6 +95,33 @@ def test_rounds_that_disagree_are_reported(monkeypatch):
             assert "100.0, 60.0, 100.0 GB/s" in said[0]
 
 
+def test_both_figures_are_medians_of_rounds(monkeypatch):
+    """Each "both" figure (executor and fetch path at once) is the median of ROUNDS runs, so
+    one transient run does not set the split; the executor's spread over them is returned
+    (the largest of the two job sizes') and the policy names it."""
+    from freetoken.moe.policy import fetch_policy
+
+    runs = [(100.0, 40.0), (50.0, 41.0), (98.0, 39.0),  # one-token jobs: one slow run
+            (120.0, 38.0), (121.0, 38.5), (119.0, 37.0)]  # four-token jobs
+    monkeypatch.setattr(bw_bench, "both", lambda cpu, side, seconds: runs.pop(0))
+
+    class Side:
+        closed = False
+
+        def run(self, seconds, stop=None):
+            return 44.0
+
+        def close(self):
+            Side.closed = True
+
+    (alone, c1, f1, c4, f4), spread = bw_bench._fetch_path(None, Side(), 0.03, cpu4=Side())
+    assert not runs and Side.closed
+    assert (alone, c1, f1, c4, f4) == (44.0, 98.0, 40.0, 120.0, 38.0)
+    assert spread == pytest.approx(50.0 / 98.0)
+    why = fetch_policy("hybrid", None, {"q_star": 0.3, "both_spread": spread}).why
+    assert "51% apart" in why
+
+
 def test_hybrid_policy_names_a_busy_profile():
     """A profile whose executor rounds disagreed (ft bench bw beside other work) still sets
     q*, and the policy's reason, logged when the engine starts, says the profile is suspect;

@@ -237,6 +237,15 @@ def test_split_model_fits_the_two_job_sizes():
     assert flat.limits(64) == tuple(int(math.floor((k + 1) * q)) for k in range(65))
     # a larger job reading slower (noise): one figure, no negative fixed cost
     assert SplitModel.from_profile(_profile(109.4, 90.0)).t0 == 0.0
+    # a fixed cost above half the one-token job (an H200 host's Q4_K figures during a
+    # transient, 2026-12-03: 8 experts at 49.2 GB/s, 30.5 at 84.7, t0 would be 163 us of 288):
+    # one figure as well
+    busy = dict(_profile(49.2, 84.7, 40.7, 38.9), cpu_experts_b4=30.5)
+    t1 = 8 * us / 49.2
+    t_e = (30.5 * us / 84.7 - t1) / 22.5
+    assert t1 - 8 * t_e > t1 / 2  # the fit the guard refuses
+    m = SplitModel.from_profile(busy)
+    assert m.t0 == 0.0 and m.t_e == pytest.approx(us / 49.2, rel=1e-12)
 
 
 def test_split_model_finishes_first():
