@@ -98,8 +98,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
                                             args.warmup, float("nan")):  # no roofline here
                     if r >= 0:
                         res.setdefault((label, row.batch), []).append(row.tokens_per_s)
+                    host = ("" if row.steal_pct is None else
+                            f" (steal {row.steal_pct:.1f}%, {row.preempted_per_step:.1f} "
+                            "preemptions a step)")
                     print(f"round {r if r >= 0 else 'warm-up'} {label} batch {row.batch}: "
-                          f"{row.tokens_per_s:.1f} tok/s {row.ms_per_step:.2f} ms/step",
+                          f"{row.tokens_per_s:.1f} tok/s {row.ms_per_step:.2f} ms/step{host}",
                           flush=True)
                 if runner.engine.moe is not None:
                     runner.engine.moe.close()

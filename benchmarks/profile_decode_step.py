@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from freetoken.engine import host_noise  # noqa: E402
+
 # Host-side events that mean the step waits for the device or reads a value back.
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::item", "cudaStreamSynchronize",
             "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy", "cudaGraphLaunch",
@@ -156,12 +158,14 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     if on_cuda:
         torch.cuda.synchronize()
     w0 = ho.device_waits()
+    h0 = host_noise.sample()
     t0 = time.perf_counter()
     for _ in range(steps):
         runner._step()
     if on_cuda:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / steps * 1e6
+    noise = host_noise.between(h0, host_noise.sample())
     tr = ho.trace()
     ho.set_trace(False)
     w1 = ho.device_waits()
@@ -178,6 +182,7 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> str:
     lines = [f"\n== hand-off worker, {steps} steps without the profiler: {wall:.1f} us per step, "
              f"{n:.1f} jobs per step",
              "counters per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()),
+             *([] if noise is None else [f"host (engine/host_noise.py): {noise.text(steps)}"]),
              f"{'per step':<44} {'us':>9} {'per job':>9} {'of wall':>8}"]
     for label, us in (("executor (CPU experts' compute)", (f1 - f0).sum()),
                       ("compaction before it (go seen -> start)", (f0 - seen).sum()),

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from freetoken.config import EngineConfig
+from freetoken.engine import host_noise
 from freetoken.engine.sampling_params import SamplingParams
 
 
@@ -53,6 +54,10 @@ class DecodeResult:
     cpu_per_step: float | None = None
     ceiling_tokens_per_s: float | None = None  # see the module docstring
     ceiling_pct: float | None = None
+    # the host during the timed steps (engine/host_noise.py; None off Linux): CPU time the
+    # hypervisor gave other guests, and this process's threads descheduled against their will
+    steal_pct: float | None = None
+    preempted_per_step: float | None = None
 
 
 @dataclass
@@ -142,6 +147,7 @@ class Runner:
         self.vocab = engine.model.config.vocab_size
         self.gen = torch.Generator().manual_seed(1234)
         self.count = 0
+        self.noise: host_noise.HostNoise | None = None  # of the last `decode`
 
     def _prompt(self, n: int) -> list[int]:
         return torch.randint(0, self.vocab, (n,), generator=self.gen).tolist()
@@ -174,7 +180,8 @@ class Runner:
     def decode(self, batch: int, prompt_len: int, tokens: int, warmup: int
                ) -> tuple[int, float, dict[str, int] | None]:
         """(tokens produced, seconds, expert-cache counters or None) over `tokens` timed steps
-        of `batch` decodes."""
+        of `batch` decodes; what the host did meanwhile is left in `self.noise`
+        (`host_noise.between`, None off Linux)."""
         # Early requests decode while later ones still prefill (chunked): never run out.
         rids = [self._add(prompt_len, tokens + warmup + batch + 2) for _ in range(batch)]
         first = 0
@@ -185,10 +192,12 @@ class Runner:
         dev = self.engine.device
         _sync(dev)
         c0 = self.moe_counters()
+        h0 = host_noise.sample()
         t0 = time.perf_counter()
         made = sum(self._step() for _ in range(tokens))
         _sync(dev)
         dt = time.perf_counter() - t0
+        self.noise = host_noise.between(h0, host_noise.sample())
         c1 = self.moe_counters()
         for rid in rids:
             self.engine.abort(rid)
@@ -265,6 +274,9 @@ def run_decode(runner: Runner, batches: list[int], prompt_len: int, tokens: int,
             batch=b, steps=tokens, seconds=dt, tokens_per_s=made / dt,
             ms_per_step=dt / tokens * 1e3, weight_bytes_per_step=nbytes, achieved_gbps=gbps,
             roofline_pct=100 * gbps / bandwidth_gbps)
+        if runner.noise is not None:
+            row = replace(row, steal_pct=runner.noise.steal_pct,
+                          preempted_per_step=runner.noise.preempted / tokens)
         if c is not None:
             ceil = moe_decode_ceiling(runner.engine, b, info.rate,
                                       moe_side_gbps(info.backend, info.profile))
@@ -320,6 +332,9 @@ def _print_decode(rows: list[DecodeResult]) -> None:
     if moe:
         head += (f" {'backend':>8} {'rate':>5} {'hit rate':>8} {'fetched':>8} {'cpu':>7} "
                  f"{'ceiling':>8} {'% ceil':>7}")
+    noise = rows and rows[0].steal_pct is not None
+    if noise:
+        head += f" {'steal':>6} {'preempt':>8}"
     print(head)
     for r in rows:
         line = (f"{r.batch:>5} {r.tokens_per_s:>10.1f} {r.ms_per_step:>9.2f} "
@@ -329,7 +344,13 @@ def _print_decode(rows: list[DecodeResult]) -> None:
             line += (f" {r.moe_backend:>8} {r.moe_cache_rate:>5.2f} {r.hit_rate:>8.3f} "
                      f"{r.fetched_per_step:>8.1f} {r.cpu_per_step:>7.1f} "
                      f"{_opt(r.ceiling_tokens_per_s, '.1f', 8)} {_opt(r.ceiling_pct, '.1f', 6)}%")
+        if noise:
+            line += f" {_opt(r.steal_pct, '.1f', 5)}% {_opt(r.preempted_per_step, '.1f', 8)}"
         print(line)
+    if noise:
+        print("steal: CPU time the hypervisor gave other guests during the timed steps; "
+              "preempt: this process's threads descheduled against their will, a step "
+              "(engine/host_noise.py)")
 
 
 def _print_prefill(rows: list[PrefillResult]) -> None:
