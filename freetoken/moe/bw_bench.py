@@ -14,7 +14,9 @@ Per expert format, in one run (a layer shape of the seed's headline model, 2048x
   CUDA graph (the GPU's threads read the pinned banks; no copy engine);
 - both: each of the two fetch paths and the executor at once (the executor in a thread, it
   releases the GIL; copies on the main thread), since they share the host's memory bandwidth;
-  the medians of ROUNDS rounds too (`both_rounds`), their executor spread reported alike.
+  the medians of ROUNDS rounds too (`both_rounds`), their executor spread reported alike;
+- the CPU time other guests of the host took during each format's run (steal,
+  engine/host_noise.py), kept in the profile and reported above policy.STEAL_WARN.
 q* = B_fetch / (B_fetch + B_cpu) from the fill kernel's "both" figures (the copy engine's
 where no fill was measured) is what the hybrid backend fetches of its misses; the fill is also
 measured beside the executor's jobs of four tokens (about 30 experts, which it reads faster
@@ -34,10 +36,12 @@ import time
 
 import torch
 
+from freetoken.engine import host_noise
 from freetoken.moe.cpu_bench import LayerBench, LayerShape
 from freetoken.moe.cpu_executor import CpuMoeExecutor, default_threads
 from freetoken.moe.policy import (
     SPREAD_WARN,
+    STEAL_WARN,
     cpu_model,
     gpu_model,
     profile_key,
@@ -227,6 +231,7 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
     shape = LayerShape(f"{H}x{inter} top{k} {fmt}", H, inter, k, E, "Qwen3.6-35B-A3B",
                        FORMATS[fmt])
     lb = LayerBench(shape, budget)
+    h0 = host_noise.sample()
     cpu = CpuSide(lb, CpuMoeExecutor(threads))
     cpu.run(min(0.1, seconds))  # warm-up: pool wake-up, first touches
     rounds = [cpu.run(seconds / ROUNDS) for _ in range(ROUNDS)]
@@ -257,6 +262,13 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
                 f"{res['both_spread']:.0%}: this machine's memory bandwidth varied during the "
                 "run, so q* and the split may not fit it; run `ft bench bw` again on a quiet "
                 "machine")
+    noise = host_noise.between(h0, host_noise.sample())
+    if noise is not None:
+        res["steal_pct"] = noise.steal_pct
+        if noise.steal_pct > STEAL_WARN:
+            log(f"  {fmt}: {noise.steal_pct:.1f}% of the CPUs' time went to other guests of "
+                "this host during the run (steal), so q* and the split may not fit it; run "
+                "`ft bench bw` again on a quiet machine")
     # q*: decode steps fetch with the fill kernel (inside CUDA graphs), so its figure with
     # the executor running decides the split where it was measured
     b_cpu = res.get("cpu_fill_both_gbps") or res["cpu_both_gbps"] or res["cpu_gbps"]

@@ -111,8 +111,10 @@ def find_profile(fmt: str) -> dict | None:
 
 
 # (max - min) / median of `ft bench bw`'s executor rounds above which the bench says so, and a
-# hybrid policy from its profile says so again when the engine starts
+# hybrid policy from its profile says so again when the engine starts; the same for the CPU
+# time other guests took during the bench (steal, percent)
 SPREAD_WARN = 0.15
+STEAL_WARN = 2.0
 
 
 @dataclass(frozen=True)
@@ -266,9 +268,13 @@ def fetch_policy(backend: str, max_fetch: int | None, profile: dict | None,
     if profile is not None:
         q = float(profile["q_star"])
         spread = max(profile.get("cpu_spread") or 0.0, profile.get("both_spread") or 0.0)
+        steal = profile.get("steal_pct") or 0.0
         busy = (f" (measured while this machine's memory bandwidth varied: its executor "
                 f"rounds {spread:.0%} apart; run `ft bench bw` again on a quiet machine)"
                 if spread > SPREAD_WARN else "")
+        if steal > STEAL_WARN:
+            busy += (f" (measured while other guests of this host took {steal:.1f}% of its "
+                     "CPUs' time; run `ft bench bw` again on a quiet machine)")
         model = SplitModel.from_profile(profile, expert_bytes)
         split = ""
         if model is not None:
