@@ -13,8 +13,10 @@ the engine flags. The model is loaded once (`ft bench decode --moe-backends` reu
 same way); each engine's CPU threads stop before the next one starts. A warm-up round
 (`--warm-rounds`, default 1) runs every setting first and is not recorded: on the H200 the
 first engine's batch-1 steps ran at 88 tok/s against 141 a round later (host banks touched
-for the first time, kernels compiled). Prints a line per round and a table of every round's
-tokens/s per setting and batch, with their median.
+for the first time, kernels compiled). Prints a line per round (on Linux with what the host
+did meanwhile: CPU time stolen by other guests, this process's threads preempted a step;
+engine/host_noise.py) and a table of every round's tokens/s per setting and batch, with their
+median.
 """
 
 from __future__ import annotations
