@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
     p.add_argument("--tokens", type=int, default=64, help="timed decode steps per batch")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--set", action="append", default=[], dest="settings",
-                   help="one setting: NAME=VALUE[,NAME=VALUE...] (give two or more)")
+                   help="one setting: NAME=VALUE[,NAME=VALUE...] (one: its rounds alone)")
     args = p.parse_args(argv)
     setup_logging(args)
-    if len(args.settings) < 2:
-        raise SystemExit("give at least two --set settings to compare")
+    if not args.settings:
+        raise SystemExit("give one --set setting or more (two or more to compare)")
     if args.rounds < 1 or args.warm_rounds < 0:
         raise SystemExit("--rounds must be at least 1 and --warm-rounds not negative")
     batches = [int(b) for b in args.batch.split(",") if b.strip()]

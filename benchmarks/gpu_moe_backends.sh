@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The expert-cache backends (offload, cpu, hybrid) on one GPU machine, in one command, each
 # stage time-limited and writing under OUT_DIR:
-#   bash benchmarks/gpu_moe_backends.sh smoke|quick|ahead|full|all OUT_DIR [BASE_TREE]
+#   bash benchmarks/gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]
 # 1. the CPU MoE executor built here with cmake (skipped when freetoken/ holds a build of
 #    the same csrc: build.stamp), copied into freetoken/;
 # 2. `ft bench bw` for q4_k and nvfp4 (writes the profile hybrid's q* and the ceilings use);
@@ -20,15 +20,19 @@
 #    (benchmarks/ab_env.py) on the 35B NVFP4 hybrid at batch 1 and 4 and the 30B NVFP4 and
 #    Q4_K hybrids at batch 1, rate 0.1; profiled 35B steps at batch 1 with 0 and 1 (where
 #    the CPU waits for the device, the kernels beside the copies);
+# bars (about 5 minutes): issue 16's decode bars after a warm-up round, two or three rounds
+#    each (benchmarks/ab_env.py, their lines with the host's steal and preemptions): the 35B
+#    NVFP4 hybrid at batch 1 and 4, the 30B Q4_K and NVFP4 at batch 1 as hybrid and as cpu
+#    (--moe-hybrid-max-fetch 0), all at cache rate 0.1;
 # full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
 #    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
 #    model loaded once); all: smoke, then full.
 set -uo pipefail
-mode=${1:?usage: gpu_moe_backends.sh smoke|quick|ahead|full|all OUT_DIR [BASE_TREE]}
-out=${2:?usage: gpu_moe_backends.sh smoke|quick|ahead|full|all OUT_DIR [BASE_TREE]}
-case $mode in smoke|quick|ahead|full|all) ;; *)
-  echo "mode must be smoke, quick, ahead, full or all" >&2; exit 2;; esac
+mode=${1:?usage: gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]}
+out=${2:?usage: gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]}
+case $mode in smoke|quick|ahead|bars|full|all) ;; *)
+  echo "mode must be smoke, quick, ahead, bars, full or all" >&2; exit 2;; esac
 base=${3:-}
 full_limit=${FULL_STAGE_SECONDS:-400}  # per model of the full sweeps
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -118,6 +122,20 @@ if [ "$mode" = ahead ]; then
       --cuda-graph-max-bs 4 --moe-fetch-ahead "$n"
   done
 fi
+if [ "$mode" = bars ]; then
+  bar() {  # bar NAME SECONDS MODEL FORMAT BATCHES ROUNDS SETTINGS...
+    local name=$1 limit=$2 model=$3 fmt=$4 batches=$5 rounds=$6 sets=()
+    shift 6
+    for s in "$@"; do sets+=(--set "$s"); done
+    stage "$name" "$limit" python3 benchmarks/ab_env.py --model "$model" --dummy-weights \
+      --dummy-format "$fmt" --moe-backend hybrid --moe-cache-rate 0.1 --batch "$batches" \
+      --rounds "$rounds" --tokens 32 --warmup 4 --prompt-len 32 --cuda-graph-max-bs 4 \
+      --decode-log-interval 16 "${sets[@]}"
+  }
+  bar b_35b 130 qwen3.6-35b-a3b nvfp4 1,4 3 moe_hybrid_max_fetch=-1
+  bar b_30b_q4k 120 qwen3-30b-a3b q4_k 1 2 moe_hybrid_max_fetch=-1 moe_hybrid_max_fetch=0
+  bar b_30b_nvfp4 120 qwen3-30b-a3b nvfp4 1 2 moe_hybrid_max_fetch=-1 moe_hybrid_max_fetch=0
+fi
 if [ "$mode" = smoke ] || [ "$mode" = all ]; then
   stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/moe/test_handoff.py \
     tests/moe/test_slot_cache.py tests/moe/test_slot_plan.py tests/moe/test_backends.py \
@@ -144,7 +162,7 @@ if [ "$mode" = full ] || [ "$mode" = all ]; then
 fi
 rm -f "$out"/*-trace*.json  # the tables are in the .txt files; traces are large
 grep -h "FAILED\|Error\|passed\|failed" "$out/tests.txt" 2>/dev/null | head -20
-grep -h -A12 "^batch\|^ prompt\|^step\|exit\|hand-off worker\|^setting" "$out"/*.txt | cut -c1-160 | tail -n 150
+grep -h -A12 "^batch\|^ prompt\|^step\|exit\|hand-off worker\|^setting\|preemptions a step" "$out"/*.txt | cut -c1-160 | tail -n 150
 # one archive: the device tool brings back only a few files
 tar -czf /tmp/gpu_moe_results.tgz -C "$out" . && rm -rf "${out:?}"/* && \
   mv /tmp/gpu_moe_results.tgz "$out/results.tgz"

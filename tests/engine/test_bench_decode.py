@@ -230,7 +230,7 @@ def test_ab_env_alternates_settings(capsys, monkeypatch):
     """benchmarks/ab_env.py on the CPU: one model, an engine per --set (a switch and an engine
     field), rounds alternated after a warm-up round that is printed and not recorded; a line
     per round and a table row per setting and batch, and the switches restored afterwards. A
-    bad --set or round count is refused."""
+    bad --set, no --set or a bad round count is refused."""
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -253,6 +253,8 @@ def test_ab_env_alternates_settings(capsys, monkeypatch):
     assert "FREETOKEN_GPU_SIDE_STREAM" not in os.environ
     with pytest.raises(SystemExit, match="neither a FREETOKEN_ switch nor an engine field"):
         ab_env.main(common + ["--set", "bogus=1", "--set", "moe_cache_rate=0.25"])
+    with pytest.raises(SystemExit, match="give one --set setting or more"):
+        ab_env.main(common)
     with pytest.raises(SystemExit, match="--rounds must be at least 1"):
         ab_env.main(common + ["--rounds", "0", "--set", "a=1", "--set", "b=2"])
 
