@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import glob
 import os
-import time
 from dataclasses import dataclass
 
 # /proc/stat's cpu line: user nice system idle iowait irq softirq steal (guest time is inside
@@ -28,7 +27,6 @@ _STEAL = 7
 class HostSample:
     jiffies: tuple[int, ...]  # the aggregate cpu line of /proc/stat, its first 8 fields
     preempted: int  # this process's threads' nonvoluntary context switches so far
-    t: float
 
 
 def parse_cpu_line(text: str) -> tuple[int, ...]:
@@ -66,7 +64,7 @@ def sample() -> HostSample | None:
             jiffies = parse_cpu_line(f.read())
     except (OSError, ValueError):
         return None
-    return HostSample(jiffies, _preempted(), time.perf_counter())
+    return HostSample(jiffies, _preempted())
 
 
 @dataclass(frozen=True)

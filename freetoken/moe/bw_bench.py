@@ -190,9 +190,14 @@ def both_rounds(cpu: CpuSide, side: PcieSide, seconds: float) -> tuple[float, fl
     NVFP4 jobs beside the fill 97 and 112; fitted as a job's fixed cost (policy.SplitModel)
     that was 163 us against 26 for NVFP4, and the 30B Q4_K hybrid fetched 3 of 7 misses."""
     runs = [both(cpu, side, seconds / ROUNDS) for _ in range(ROUNDS)]
-    c, s = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-    figures = [r[0] for r in runs]
-    return c, s, (max(figures) - min(figures)) / c if c > 0 else 0.0
+    c, spread = _median_spread([r[0] for r in runs])
+    return c, statistics.median(r[1] for r in runs), spread
+
+
+def _median_spread(figures: list[float]) -> tuple[float, float]:
+    """(median, (max - min) / median) of rounds' GB/s (spread 0 where the median is 0)."""
+    mid = statistics.median(figures)
+    return mid, (max(figures) - min(figures)) / mid if mid > 0 else 0.0
 
 
 def _fetch_path(cpu: CpuSide, side: PcieSide, seconds: float,
@@ -235,8 +240,7 @@ def measure(fmt: str, threads: int, budget: int, seconds: float, log=print) -> d
     cpu = CpuSide(lb, CpuMoeExecutor(threads))
     cpu.run(min(0.1, seconds))  # warm-up: pool wake-up, first touches
     rounds = [cpu.run(seconds / ROUNDS) for _ in range(ROUNDS)]
-    mid = statistics.median(rounds)
-    spread = (max(rounds) - min(rounds)) / mid if mid > 0 else 0.0
+    mid, spread = _median_spread(rounds)
     if spread > SPREAD_WARN:
         log(f"  {fmt}: the executor's rounds disagree by {spread:.0%} "
             f"({', '.join(f'{r:.1f}' for r in rounds)} GB/s): this machine's memory bandwidth "

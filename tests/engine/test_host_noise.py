@@ -33,8 +33,8 @@ def test_parse_nonvoluntary():
 
 
 def test_between_is_the_steal_share_of_the_interval():
-    a = host_noise.HostSample((100, 0, 50, 800, 0, 0, 0, 50), 10, 0.0)
-    b = host_noise.HostSample((160, 0, 70, 880, 0, 0, 0, 90), 25, 1.0)
+    a = host_noise.HostSample((100, 0, 50, 800, 0, 0, 0, 50), 10)
+    b = host_noise.HostSample((160, 0, 70, 880, 0, 0, 0, 90), 25)
     n = host_noise.between(a, b)
     # 200 jiffies passed, 40 of them stolen
     assert n.steal_pct == pytest.approx(100 * 40 / 200) and n.preempted == 15
