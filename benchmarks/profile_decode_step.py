@@ -16,6 +16,12 @@ ops instead (a small model: `--dummy-layers 2`), so the script itself is tested 
 each, after an untimed one of the same length), first, in the same table (`--batch ''`: no
 decode tables).
 
+`--timeline N` (CUDA) adds, per batch size, where the device sat idle between kernels: the
+profiled steps' kernels in start order (all streams), the idle time before each kernel (no
+kernel of any stream running), summed per kernel name per step, and N kernels of the middle
+step in order (start, duration, idle before, stream): the launch gaps and hand-off latencies a
+per-kernel table cannot show.
+
 `--kernel-ab` (CUDA) times the decode kernels whose settings changed with this profile against
 their previous settings, at one token on Qwen3-30B-A3B shapes, replayed from CUDA graphs
 (benchmarks/bench_gpu_kernels.py's timer): the Q8_0 GEMV on blocks as stored vs split
@@ -88,6 +94,61 @@ def _kernel_rows(prof, on_cuda: bool) -> dict[str, tuple[int, float]]:
     return {k: (int(c), float(t)) for k, (c, t) in rows.items()}
 
 
+def _device_events(prof) -> list[tuple[int, int, str, int]]:
+    """(start ns, end ns, name, stream) of every device activity (kernels, copies, memsets)."""
+    out = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() != torch.autograd.DeviceType.CUDA or ev.duration_ns() <= 0:
+            continue
+        out.append((ev.start_ns(), ev.start_ns() + ev.duration_ns(), ev.name()[:60],
+                    ev.device_resource_id()))
+    return sorted(out)
+
+
+def _timeline(events: list[tuple[int, int, str, int]], steps: int, window: int,
+              limit: int) -> str:
+    """The device's idle time between activities (see the module docstring). `events` sorted by
+    start; the steps are cut at the `steps - 1` longest idle gaps (the host between steps)."""
+    if not events:
+        return "timeline: no device activities recorded"
+    idle = []  # idle ns before each event: no earlier event still running
+    reach = events[0][0]
+    for s0, e0, _, _ in events:
+        idle.append(max(0, s0 - reach))
+        reach = max(reach, e0)
+    cuts = sorted(sorted(range(1, len(events)), key=lambda i: -idle[i])[:max(steps - 1, 0)])
+    bounds = [0, *cuts, len(events)]
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    inner = 0.0
+    busy = 0.0
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        for i in range(a + 1, b):
+            r = by_name[events[i][2]]
+            r[0] += 1
+            r[1] += idle[i]
+            inner += idle[i]
+        span_end = max(e for _, e, _, _ in events[a:b])
+        busy += span_end - events[a][0] - sum(idle[a + 1:b])
+    n = len(bounds) - 1
+    out = [f"timeline: {n} steps, device busy {busy / n / 1e3:.1f} us and idle between its "
+           f"activities {inner / n / 1e3:.1f} us per step; idle before each kernel, per step:",
+           f"{'kernel':<60} {'calls/step':>10} {'idle us':>9} {'per call':>9}"]
+    for name, (c, ns) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:limit]:
+        out.append(f"{name:<60} {c / n:>10.1f} {ns / n / 1e3:>9.1f} {ns / c / 1e3:>9.2f}")
+    mid = n // 2
+    a, b = bounds[mid], bounds[mid + 1]
+    first = a + max(0, (b - a - window) // 2)
+    out.append(f"step {mid + 1}: kernels {first - a} to {min(b, first + window) - a} of "
+               f"{b - a}, in start order (us from the first listed)")
+    out.append(f"{'start':>9} {'dur':>8} {'idle':>7} {'stream':>6}  kernel")
+    t0 = events[first][0]
+    for i in range(first, min(b, first + window)):
+        s0, e0, name, stream = events[i]
+        out.append(f"{(s0 - t0) / 1e3:>9.1f} {(e0 - s0) / 1e3:>8.1f} {idle[i] / 1e3:>7.1f} "
+                   f"{stream:>6}  {name}")
+    return "\n".join(out)
+
+
 def _host_calls(prof) -> dict[str, int]:
     counts: dict[str, int] = defaultdict(int)
     for ev in prof.key_averages():
@@ -120,9 +181,12 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
     runner.drain()
     if args.trace:
         prof.export_chrome_trace(f"{args.trace}.b{batch}.json")
+    timeline = ""
+    if args.timeline and on_cuda:
+        timeline = "\n" + _timeline(_device_events(prof), args.steps, args.timeline, args.rows)
     return _table(_kernel_rows(prof, on_cuda), _host_calls(prof), f"batch {batch}", args.steps,
                   wall,
-                  on_cuda, args.rows) + handoff_table
+                  on_cuda, args.rows) + timeline + handoff_table
 
 
 def profile_prefill(runner, prompt_len: int, args: argparse.Namespace) -> str:
@@ -287,6 +351,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "each) is profiled first")
     p.add_argument("--kernel-ab", action="store_true",
                    help="only time the changed decode kernels against their previous settings")
+    p.add_argument("--timeline", type=int, default=0, metavar="N",
+                   help="(CUDA) also the device's idle time before each kernel, and N kernels "
+                   "of the middle step in order")
     p.add_argument("--trace", default=None, metavar="PREFIX",
                    help="also write chrome traces PREFIX.b<batch>.json")
     return p.parse_args(argv)

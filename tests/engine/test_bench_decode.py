@@ -273,3 +273,29 @@ def test_profile_decode_step_prefill(capsys):
     out = capsys.readouterr().out
     assert "== prefill 16: 1 steps" in out and "== prefill 40: 1 steps" in out
     assert "== batch" not in out
+
+
+def test_profile_timeline_idle_gaps():
+    """profile_decode_step's timeline: steps cut at the longest idle gaps, the idle time before
+    each kernel (nothing of any stream running) summed per name, overlap on a second stream
+    not counted as idle, and the middle step's kernels listed in order."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_decode_step as pds
+
+    us = 1000
+    step = [(0, 10, "a", 7), (12, 20, "b", 7), (15, 30, "side", 9), (31, 40, "a", 7)]
+    events = [(s + t0, e + t0, n, st) for t0 in (0, 500 * us, 1000 * us)
+              for s, e, n, st in [(s * us, e * us, n, st) for s, e, n, st in step]]
+    out = pds._timeline(sorted(events), 3, 3, 10)
+    # per step: b waits 2 us, side starts inside b (0), the second a waits 1 us after side;
+    # a step's first kernel follows the host's gap, which is not the step's
+    assert "timeline: 3 steps, device busy 37.0 us and idle between its activities 3.0 us" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:5]}
+    assert rows["b"] == ["1.0", "2.0", "2.00"] and rows["a"] == ["1.0", "1.0", "1.00"]
+    assert rows["side"] == ["1.0", "0.0", "0.00"]
+    assert "step 2: kernels 0 to 3 of 4" in out
+    listed = out.splitlines()[-3:]
+    assert [line.split()[-1] for line in listed] == ["a", "b", "side"]
+    assert listed[1].split()[:4] == ["12.0", "8.0", "2.0", "7"]
