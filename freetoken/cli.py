@@ -48,6 +48,10 @@ _HELP = {
     "dummy_layers": "shorten a --dummy-weights model to N layers",
     "cuda_graph_max_bs": "largest decode batch run as a CUDA graph (default: max running)",
     "disable_cuda_graph": "run decode eagerly, without CUDA graphs",
+    "disable_overlap_schedule": "on a GPU, wait for each decode step's tokens before the next "
+    "step is launched (by default the next decode step of the same requests is launched from "
+    "the sampled ids on the device, and the host's bookkeeping of a step runs while the next "
+    "one computes)",
 }
 
 

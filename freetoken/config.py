@@ -47,6 +47,9 @@ class EngineConfig:
     dummy_layers: int | None = None  # shorten a --dummy-weights model to N layers
     cuda_graph_max_bs: int | None = None  # largest decode batch captured; None = max running
     disable_cuda_graph: bool = False
+    # decode steps overlap (CUDA): the next step is launched from the device's sampled ids
+    # before the host reads them and does the previous step's bookkeeping (engine/engine.py)
+    disable_overlap_schedule: bool = False
     decode_log_interval: int = 40  # a decode log line every N decode steps (0 = none)
     show_progress: bool = True
 

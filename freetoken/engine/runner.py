@@ -110,8 +110,17 @@ class ModelRunner:
         return [r.state_slot for r in batch.requests]
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        ctx, input_ids = self.prepare(batch)
+    def forward(self, batch: ScheduledBatch, input_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits of the batch's sampling rows. `input_ids` (a device tensor, one id per new
+        token) replaces the ids the requests hold: a decode step launched from the previous
+        step's ids before the host has read them (the engine's overlap)."""
+        ctx, ids = self.prepare(batch)
+        if input_ids is None:
+            input_ids = ids
+        elif input_ids.shape != ids.shape:
+            raise ValueError(f"forward: {tuple(input_ids.shape)} input ids for a step of "
+                             f"{ids.shape[0]} tokens")
         if self.step_hook is not None:
             self.step_hook(input_ids.shape[0])
         if self.graphs is not None and self.graphs.can_run(ctx):

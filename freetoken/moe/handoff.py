@@ -182,7 +182,9 @@ class Handoff:
     def set_live(self, n: int) -> None:
         """Real tokens of the coming step (a CUDA graph's padding rows are not computed): the
         pinned word, and on a GPU its device copy (an async copy on the current stream, before
-        the step's kernels; the previous step, whose plans read it, has been synced)."""
+        the step's kernels). The worker reads the pinned word while a step runs: a step is
+        launched before the one before it has finished only by the engine's overlap, which
+        does so for the same batch alone (engine/engine.py), so the word keeps its value."""
         self._host["live"][0] = n
         if self._live_dev is not self._live:
             self._live_dev.copy_(self._live, non_blocking=True)

@@ -155,7 +155,7 @@ def test_forward_failure_stops_the_bench(monkeypatch):
 
     eng = Engine(EngineConfig(model="tiny-llama", dummy_weights=True, show_progress=False))
 
-    def broken(batch):
+    def broken(batch, input_ids=None):
         raise RuntimeError("kernel exploded")
 
     monkeypatch.setattr(eng.runner, "forward", broken)

@@ -124,14 +124,17 @@ def test_gdn_decode_path_equals_per_sequence_path():
 @needs_cuda
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3-moe"])
 def test_graphs_give_the_eager_tokens(model):
-    """Three requests decode as a padded bucket of 4; greedy and seeded rows alike."""
+    """Three requests decode as a padded bucket of 4; greedy and seeded rows alike. The eager
+    engine waits for each step's ids (no overlap): graphs and overlap together against the
+    plain loop."""
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5,
                              ignore_eos=True)]
-    eager = dummy_engine(model, disable_cuda_graph=True)
+    eager = dummy_engine(model, disable_cuda_graph=True, disable_overlap_schedule=True)
     graphed = dummy_engine(model)
     assert eager.runner.graphs is None and graphed.runner.graphs is not None
+    assert graphed.overlap and not eager.overlap
     replays = count_replays(graphed)
     assert generate(graphed, params) == generate(eager, params)
     assert 4 > max(replays) and len(replays) >= 8  # decode steps replayed, 3 and 2 rows
@@ -145,7 +148,8 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
     """The hybrid backend on a model with a shared expert (the 35B shape, 4 layers, float32):
     graphed decode steps (the CPU hand-off, slot fills and, by default, the shared expert on a
     second stream beside them: FREETOKEN_GPU_SIDE_STREAM, added with its gate inside the
-    receive kernel: FREETOKEN_GPU_RECEIVE_SHARED) give the eager steps' tokens, and the shared
+    receive kernel: FREETOKEN_GPU_RECEIVE_SHARED), overlapped, give the eager steps' tokens
+    (the eager engine waits for each step's ids), and the shared
     expert's stream changes no token (the same kernels on the same inputs). split: with a bw
     profile of both job sizes (policy.SplitModel's fetch tables) and graphs up to 16 rows,
     whose 128 routes take the torch plan inside the capture. Both engines fetch ahead
@@ -163,11 +167,11 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
                 "cpu_fill_both_b4_gbps": 116.7, "fill_both_gbps": 38.7,
                 "fill_both_b4_gbps": 38.6}  # the H200 host's figures of 2026-12-02
         monkeypatch.setattr(runtime, "find_profile", lambda fmt: prof)
-    eager = dummy_engine(disable_cuda_graph=True, **kw)
+    eager = dummy_engine(disable_cuda_graph=True, disable_overlap_schedule=True, **kw)
     want = generate(eager, params)
     eager.moe.close()  # its CPU worker and pool, before the next engine starts its own
     graphed = dummy_engine(**kw)
-    assert graphed.runner.graphs is not None
+    assert graphed.runner.graphs is not None and graphed.overlap
     assert (graphed.moe.policy.model is not None) == split
     assert (graphed.moe.cache.side_stream is not None) == (side_stream == "1")
     replays = count_replays(graphed)
@@ -180,15 +184,24 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
 
 
 @needs_cuda
-def test_decode_step_syncs_once(monkeypatch):
-    eng = dummy_engine(cuda_graph_max_bs=4)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_decode_step_syncs_once(monkeypatch, overlap):
+    """One host sync per replayed decode step: the sampled ids' read. With overlap (the
+    default) a step() launches the next decode step before it reads the held one's ids."""
+    from freetoken.engine import engine as engine_mod
+
+    eng = dummy_engine(cuda_graph_max_bs=4, disable_overlap_schedule=not overlap)
     for i, ids in enumerate(prompts(2)):
         eng.add_request(str(i), ids, SamplingParams(max_tokens=8, temperature=0,
                                                     ignore_eos=True))
     eng.step()  # prefill (eager)
+    if overlap:
+        assert eng.step() == [] and eng._inflight is not None  # the first decode step, held
     reads: list[int] = []
-    real = sampler.read_ids
+    real, real_held = sampler.read_ids, engine_mod._InFlight.read
     monkeypatch.setattr(sampler, "read_ids", lambda ids: reads.append(1) or real(ids))
+    monkeypatch.setattr(engine_mod._InFlight, "read",
+                        lambda self: reads.append(1) or real_held(self))
     replays = count_replays(eng)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any other sync raises (and fails the batch)
@@ -197,8 +210,8 @@ def test_decode_step_syncs_once(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [o.error for o in outs] == [None, None]
+    assert [len(o.new_token_ids) for o in outs] == [1, 1]
     assert replays == [2] and reads == [1]
-    assert all(len(o.new_token_ids) == 1 for o in outs)
 
 
 if __name__ == "__main__":
