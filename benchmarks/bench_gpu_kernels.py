@@ -153,6 +153,10 @@ GEMV_TILES = [(2, 256, 1), (4, 256, 2), (4, 256, 4), (8, 256, 4), (16, 256, 4), 
 I8_TILES = [(2, 1024, 1), (4, 512, 2), (4, 1024, 2), (4, 2048, 4), (8, 256, 4), (8, 512, 4),
             (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 512, 4), (16, 1024, 4),
             (16, 1024, 8), (16, 2048, 8), (32, 512, 8)]
+# (BN, BK, num_warps) of the fused MoE's per-route int8 GEMVs at 2-16 tokens (the tiles
+# FREETOKEN_GPU_MOE_ROUTE_TILES sets end to end): wider row blocks, fewer programs per route
+I8_ROUTE_TILES = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 4), (32, 1024, 8), (64, 1024, 4),
+                  (64, 1024, 8), (32, 512, 4), (64, 512, 8), (128, 1024, 8)]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
@@ -203,6 +207,8 @@ def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int =
             tiles += [(1, bn, bk, w) for bn, bk, w in I8_TILES if bk >= 1024]
         if m == 16:
             tiles += [(1, bn, bk, w) for bn, bk, w in GEMV_TILES[2:5]]  # per-route MoE
+        if 1 < m <= 16 and _i8(fmt):
+            tiles += [(1, bn, bk, w) for bn, bk, w in I8_ROUTE_TILES]
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k, _ in dense}
         ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)])
         w = torch.softmax(torch.randn(m, topk, device="cuda"), -1)

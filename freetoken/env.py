@@ -133,6 +133,30 @@ def gpu_pdl() -> int:
     return 1 if v in ("1", "true", "yes", "on") else 0
 
 
+def gpu_moe_route_tiles() -> tuple[int, int, int] | None:
+    """FREETOKEN_GPU_MOE_ROUTE_TILES=BNxBKxWARPS (32x1024x8, say): the tiles of the fused
+    MoE's per-route int8 GEMVs at decode steps of 2 to 16 tokens (`kernels/triton/moe.py:
+    _i8_tiles`; BK at most, halved until it tiles K), for measuring tile choices end to end
+    (benchmarks/ab_env.py). Unset: the measured default. BN and BK powers of two (BN 1-256,
+    BK 32-4096), WARPS 1, 2, 4 or 8."""
+    name = "FREETOKEN_GPU_MOE_ROUTE_TILES"
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        bn, bk, warps = (int(p) for p in v.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not BNxBKxWARPS (three integers)") from None
+
+    def pow2(n: int, lo: int, hi: int) -> bool:
+        return lo <= n <= hi and n & (n - 1) == 0
+
+    if not (pow2(bn, 1, 256) and pow2(bk, 32, 4096) and warps in (1, 2, 4, 8)):
+        raise ValueError(f"{name}={v!r}: BN must be a power of two in 1-256, BK one in "
+                         "32-4096, WARPS 1, 2, 4 or 8")
+    return bn, bk, warps
+
+
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None

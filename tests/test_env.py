@@ -5,6 +5,7 @@ must not leave the default on silently)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from freetoken import env
 
@@ -45,3 +46,29 @@ def test_off_unless_set_switch(monkeypatch):
     monkeypatch.setenv(name, "banana")
     with pytest.raises(ValueError, match=f"{name}='banana' is not one of"):
         env.moe_prefetch()
+
+
+def test_moe_route_tiles(monkeypatch):
+    """FREETOKEN_GPU_MOE_ROUTE_TILES=BNxBKxWARPS: parsed and checked, and the fused MoE's
+    per-route int8 tiles take it at 2-16 tokens, over the measured defaults (BK halved until it
+    tiles K: Q4_K needs whole super-blocks, K 768 takes 256), while one token keeps its own."""
+    from freetoken.kernels.triton.moe import _i8_tiles
+
+    name = "FREETOKEN_GPU_MOE_ROUTE_TILES"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_moe_route_tiles() is None
+    assert _i8_tiles(13, 2048, torch.bfloat16, None, 16) == (64, 1024, 4, True)  # ROUTE_TILES
+    assert _i8_tiles(1, 2048, torch.bfloat16, None, 4) == (32, 1024, 4, True)
+    assert _i8_tiles(18, 2048, torch.bfloat16, None, 4) == (16, 1024, 4, True)
+    monkeypatch.setenv(name, " 32x1024x8 ")
+    assert env.gpu_moe_route_tiles() == (32, 1024, 8)
+    assert _i8_tiles(13, 2048, torch.bfloat16, None, 16) == (32, 1024, 8, True)
+    assert _i8_tiles(13, 768, torch.bfloat16, None, 4) == (32, 256, 8, True)
+    assert _i8_tiles(13, 2048, torch.bfloat16, None, 1) == (16, 1024, 4, True)
+    assert _i8_tiles(13, 2048, torch.bfloat16, (1, 4, 512, 2), 16) == (4, 512, 2, True)
+    for bad, why in (("32x1024", "three integers"), ("32,1024,8", "three integers"),
+                     ("24x1024x4", "power of two"), ("32x1024x3", "WARPS"),
+                     ("32x16x4", "32-4096")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=why):
+            env.gpu_moe_route_tiles()

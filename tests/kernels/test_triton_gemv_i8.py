@@ -153,14 +153,23 @@ def _moe_reference(x, bank, ids, rw, emap, act, down_i8=True):
     return ref, tol
 
 
-@pytest.mark.parametrize("f13,f2,act", [("nvfp4", "nvfp4", "silu"), ("Q4_K", "Q4_K", "gelu_tanh"),
-                                        ("Q8_0", "Q8_0", "silu"), ("Q4_K", "Q6_K", "silu")])
-def test_i8_fused_moe_decode_within_bound(f13, f2, act):
+_MOE_CASES = [("nvfp4", "nvfp4", "silu"), ("Q4_K", "Q4_K", "gelu_tanh"), ("Q8_0", "Q8_0", "silu"),
+              ("Q4_K", "Q6_K", "silu")]
+
+
+@pytest.mark.parametrize("f13,f2,act,wide", [(*c, False) for c in _MOE_CASES]
+                         + [(*_MOE_CASES[0], True), (*_MOE_CASES[3], True)])
+def test_i8_fused_moe_decode_within_bound(f13, f2, act, wide, monkeypatch):
     """The fused MoE at decode sizes (one and two tokens) in int8 dots, slots mapped (two
     experts elsewhere: their rows add nothing), against the quantized computation in float64
     (module doc); one token through the per-route down kernel and the sum, two through the
     down-and-sum kernel. Q6_K down has no int8 dot: with it only gate / up run in int8, and the
-    reference's down reads a unquantized (tolerance: the fp32 GEMV's, 1e-5 of its sum)."""
+    reference's down reads a unquantized (tolerance: the fp32 GEMV's, 1e-5 of its sum).
+    wide: the int8 GEMVs at 64 rows a program and 8 warps instead of the default tiles (on
+    CUDA through FREETOKEN_GPU_MOE_ROUTE_TILES, as a user sets them: Q6_K's fp32 down keeps
+    its own; in the interpreter as tiles, against 16 rows and 4 warps)."""
+    if wide and CUDA:
+        monkeypatch.setenv("FREETOKEN_GPU_MOE_ROUTE_TILES", "64x1024x8")
     e_n, topk = 8, 3
     h, inter = (1024, 512) if CUDA else (256, 256)
     gen = torch.Generator().manual_seed(len(f13) + len(f2))
@@ -182,7 +191,7 @@ def test_i8_fused_moe_decode_within_bound(f13, f2, act):
         rw = torch.softmax(torch.randn(tokens, topk, generator=gen), -1)
         ref, tol = _moe_reference(x.float(), bank, ids, rw, emap, act, f2 != "Q6_K")
         y = fused_moe_triton(x.to(DEV), dev_bank, ids.to(DEV), rw.to(DEV), act, emap.to(DEV),
-                             None if CUDA else (1, 16, 256, 4),
+                             None if CUDA else (1, 64, 256, 8) if wide else (1, 16, 256, 4),
                              down_sum=tokens == 2).double().cpu()  # both down kernels
         tol = tol + BF16_OUT * ref.abs() + 1e-30
         err = (y - ref).abs()

@@ -204,3 +204,14 @@ def test_align_random_routes(tokens, experts, bm, mapped):
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q"]))
+
+
+def test_k_quant_gemv_refuses_other_chunks():
+    """The fp32 per-route GEMV's K-quant dot reads one super-block a chunk: tiles asking for
+    another chunk are refused by name, not computed wrong (they gave zeros for Q6_K)."""
+    bank, x, ids, w, emap, _, _ = _case("Q4_K", "Q6_K", 1, "silu", 5)
+    dev_bank = ExpertBank(cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV),
+                          bank.scales.to(DEV))
+    args = (x.to(DEV), dev_bank, ids.to(DEV), w.to(DEV), "silu", emap.to(DEV))
+    with pytest.raises(ValueError, match="K-quant .* BK=256, got tiles with BK=128"):
+        fused_moe_triton(*args, (1, 16, 128, 4))

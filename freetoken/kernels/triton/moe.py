@@ -44,6 +44,7 @@ import triton.language as tl
 from freetoken import env
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive
+from freetoken.kernels.triton.formats import F_Q4_K, F_Q5_K, F_Q6_K
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
 from freetoken.kernels.triton.gemv_i8 import (
     asm,
@@ -407,6 +408,16 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
     return 64, 64, bk, 8
 
 
+# (BN, BK at most, num_warps) of the per-route int8 GEMVs from 2 tokens, by format id (NVFP4 1,
+# Q4_K 13; others keep 16 rows and 4 warps). Measured on the H200 (2026-12-04): the MoE layer
+# at 16 tokens (bench_gpu_kernels.py --sweep Q4_K,nvfp4 --sweep-tokens 16, 128 x 2048 x 768,
+# top-8, us) Q4_K 16 rows 133.5, 32 106.7, 64 97.1, 128 (8 warps) 127.0; NVFP4 118.0 / 109.1
+# / 125.7; 8 warps lost everywhere. End to end (ab_env, fused, tok/s, 32 rows against 16):
+# 30B Q4_K batch 4 945.2 -> 1001.0, 16 1938.5 -> 2258.1; 35B NVFP4 1035.6 -> 1050.9 and
+# 2191.2 -> 2220.3.
+ROUTE_TILES = {1: (32, 1024, 4), 13: (64, 1024, 4)}
+
+
 def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
               tiles: tuple[int, int, int, int] | None,
               tokens: int) -> tuple[int, int, int, bool] | None:
@@ -423,6 +434,12 @@ def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
     # One token of NVFP4 (no quantized GLU output then): chunks up to 2048, a whole
     # hidden-2048 row in one chunk, 15.7 us against 17.3 with 1024 (128 x 2048 x 768; 256 x
     # 2048 x 512 13.1 against 15.0); Q4_K lost with them (16.2 against 15.3: registers).
+    # From 2 tokens (up to 16: above, tl.dot tiles): FREETOKEN_GPU_MOE_ROUTE_TILES, else
+    # ROUTE_TILES, stands in for `tiles` when it is not given.
+    if tiles is None and tokens >= 2:
+        chosen = env.gpu_moe_route_tiles() or ROUTE_TILES.get(fmt)
+        if chosen is not None:
+            tiles = (1, *chosen)
     want = 2048 if fmt == 1 and tokens == 1 else 1024
     bk = i8_chunk(fmt, k, want if tiles is None else tiles[2])
     if bk is None:
@@ -536,6 +553,11 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     if bm == 1 and (h % up[1] or inter % down[1]):
         raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
                          f"{h} / intermediate {inter}")
+    for name, f, (_, chunk, _, i8) in (("gate/up", f13, up), ("down", f2, down)):
+        if bm == 1 and not i8 and f in (F_Q4_K, F_Q5_K, F_Q6_K) and chunk != 256:
+            # the fp32 GEMV's K-quant dot takes one super-block a chunk (gemv.py: gemv_bk)
+            raise ValueError(f"fused_moe: the {name} GEMV over K-quant (Q4_K / Q5_K / Q6_K) "
+                             f"experts takes chunks of BK=256, got tiles with BK={chunk}")
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     if r == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
