@@ -25,6 +25,11 @@ Tried next (2026-12-01): with PDL the dense GEMV asks L2 for its weight rows bef
 369.0 / 897.8 / 1743.3 and 411.0 / 885.2 / 1829.8, on 392.8 / 866.7 / 1831.4 and 398.2 /
 881.7 / 1807.6; 35B NVFP4 off 355.0 / 929.0 / 2017.4, on 326.6 / 865.0 / 2103.9: within the
 spread between runs, so still off by default.
+Again with decode steps overlapped (the host off the device's path, engine.py; 2026-12-04,
+benchmarks/ab_env.py, medians of two rounds, off / 1 / early, batch 1 and 16): 30B Q4_K
+448.2 / 444.9 / 465.3 and 1943.3 / 1946.9 / 1943.2; 35B NVFP4 421.0 / 397.0 / 413.4 and
+2202.9 / 2182.4 / 2054.7; the 35B NVFP4 hybrid at rate 0.1, batch 1 and 4, off / 1: 155.9 /
+155.1 and 208.4 / 198.7. `early` gains 4% on one model at batch 1 and loses elsewhere.
 """
 
 from __future__ import annotations
