@@ -248,7 +248,7 @@ def test_fused_moe_reads_the_attached_codes(f13):
     bank = ExpertBank(cases.to_device(cases.random_weight(f13, gen, 2 * inter, h, (e_n,)), DEV),
                       cases.to_device(cases.random_weight(f13, gen, h, inter, (e_n,)), DEV),
                       (torch.rand(e_n, 4, generator=gen) * 3e-2 + 1e-3).to(DEV))
-    tiles = None if CUDA else (1, 16, 256, 4)
+    tiles = None if CUDA else (1, 64, 256, 4)  # interpreted: few, wide programs
     for tokens in (1, 2):
         x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
         y, _ = _norm_quantized(x)
