@@ -142,3 +142,14 @@ def test_nvfp4_gemv_wide_chunks():
     mag = (x.double().abs() @ w.double().abs().T) * qw.scale2.double().abs()
     err = (y.double().cpu() - ref).abs()
     assert bool((err <= cases.fp32_bound(k, mag)).all())
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_k_quant_gemv_refuses_other_chunks(fmt):
+    """The fp32 GEMV's K-quant dot reads one super-block a chunk: explicit tiles asking for
+    another chunk are refused by name, not computed wrong."""
+    gen = torch.Generator().manual_seed(17)
+    qw = cases.random_weight(fmt, gen, 8, 1024)
+    x = torch.randn(1, 1024, generator=gen)  # fp32: the fp32 GEMV
+    with pytest.raises(ValueError, match="K-quant .* BK=256, got tiles with BK=512"):
+        triton_linear(x.to(DEV), cases.to_device(qw, DEV), (1, 4, 512, 4))

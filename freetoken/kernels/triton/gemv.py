@@ -139,6 +139,17 @@ def gemv_block(FMT: tl.constexpr, w_rows, s_rows, x_row, k0, n_ok, BK: tl.conste
     return acc
 
 
+def gemv_chunk_error(fmt: int, k: int, bk: int, what: str) -> str | None:
+    """Why chunks of BK values cannot serve this fp32 GEMV over K, or None: they must tile K,
+    and a K-quant's dot (Q4_K / Q5_K / Q6_K) takes one super-block a chunk (`gemv_bk`)."""
+    if k % bk:
+        return f"{what}: GEMV chunk BK={bk} must divide K={k}"
+    if fmt in (13, 14, 15) and bk != 256:
+        return (f"{what}: the GEMV over K-quant (Q4_K / Q5_K / Q6_K) weights takes chunks of "
+                f"BK=256, got tiles with BK={bk}")
+    return None
+
+
 def gemv_bk(fmt: int, k: int, want: int = 256) -> int | None:
     """The BK the GEMV path uses for this format and K, or None when K does not split into
     whole BK chunks (the tiled path, masked, takes those)."""

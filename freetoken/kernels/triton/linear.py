@@ -22,7 +22,7 @@ from freetoken.formats.qweight import QuantWeight
 from freetoken.kernels import xq
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.formats import F_Q8_0_SPLIT, format_id
-from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
+from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
 from freetoken.kernels.triton.gemv_i8 import (
     asm,
     gemv_i8_row,
@@ -316,6 +316,8 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt, dot)
     if bm == 1 and k % bk:
         raise ValueError(f"linear: GEMV chunk BK={bk} must divide K={k}")
+    if bm == 1 and not i8 and (why := gemv_chunk_error(fmt, k, bk, "linear")):
+        raise ValueError(why)
     if i8 and not i8_chunk_ok(fmt, k, bk):
         raise ValueError(f"linear: int8 GEMV chunk BK={bk} does not tile K={k} for "
                          f"{qw.fmt}")

@@ -44,8 +44,7 @@ import triton.language as tl
 from freetoken import env
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive
-from freetoken.kernels.triton.formats import F_Q4_K, F_Q5_K, F_Q6_K
-from freetoken.kernels.triton.gemv import gemv_bk, gemv_block
+from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
 from freetoken.kernels.triton.gemv_i8 import (
     asm,
     gemv_i8_block,
@@ -553,11 +552,9 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     if bm == 1 and (h % up[1] or inter % down[1]):
         raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
                          f"{h} / intermediate {inter}")
-    for name, f, (_, chunk, _, i8) in (("gate/up", f13, up), ("down", f2, down)):
-        if bm == 1 and not i8 and f in (F_Q4_K, F_Q5_K, F_Q6_K) and chunk != 256:
-            # the fp32 GEMV's K-quant dot takes one super-block a chunk (gemv.py: gemv_bk)
-            raise ValueError(f"fused_moe: the {name} GEMV over K-quant (Q4_K / Q5_K / Q6_K) "
-                             f"experts takes chunks of BK=256, got tiles with BK={chunk}")
+    for name, f, kk, (_, chunk, _, i8) in (("gate/up", f13, h, up), ("down", f2, inter, down)):
+        if bm == 1 and not i8 and (why := gemv_chunk_error(f, kk, chunk, f"fused_moe {name}")):
+            raise ValueError(why)
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     if r == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
