@@ -411,9 +411,9 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
 # Q4_K 13; others keep 16 rows and 4 warps). Measured on the H200 (2026-12-04): the MoE layer
 # at 16 tokens (bench_gpu_kernels.py --sweep Q4_K,nvfp4 --sweep-tokens 16, 128 x 2048 x 768,
 # top-8, us) Q4_K 16 rows 133.5, 32 106.7, 64 97.1, 128 (8 warps) 127.0; NVFP4 118.0 / 109.1
-# / 125.7; 8 warps lost everywhere. End to end (ab_env, fused, tok/s, 32 rows against 16):
-# 30B Q4_K batch 4 945.2 -> 1001.0, 16 1938.5 -> 2258.1; 35B NVFP4 1035.6 -> 1050.9 and
-# 2191.2 -> 2220.3.
+# / 125.7; 8 warps lost everywhere. End to end (benchmarks/ab_env.py, fused, tok/s, these
+# tiles against 16 rows): 30B Q4_K batch 4 945.9 -> 1033.2, 16 1937.8 -> 2401.5 (32 rows:
+# 1001.0 / 2258.1); 35B NVFP4 1038.6 -> 1053.5 and 2195.7 -> 2224.5.
 ROUTE_TILES = {1: (32, 1024, 4), 13: (64, 1024, 4)}
 
 
