@@ -58,9 +58,7 @@ class _InFlight:
     done: torch.cuda.Event | None  # recorded after that copy (CUDA)
 
     def read(self) -> list[int]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
+        return sampler.finish_read(self.host, self.done)
 
 
 @dataclass
@@ -294,13 +292,7 @@ class Engine:
         """Keep a sampled step in flight: its ids copied to the host without a wait, and a
         placeholder token for each request still going (one that stopped in the step before
         had this row computed in vain)."""
-        if ids.is_cuda:
-            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            host.copy_(ids, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        else:
-            host, done = ids.clone(), None
+        host, done = sampler.start_read(ids)
         for req in reqs:
             if not req.finished:
                 req.output_token_ids.append(PENDING)
@@ -314,13 +306,11 @@ class Engine:
         reqs = held.requests
         if not self.overlap or self.scheduler.waiting or self.scheduler.running != reqs:
             return None
-        ps, need = self.pool.page_size, 0
         for req in reqs:
             if (req.finished or len(req.output_token_ids) >= req.max_tokens
                     or req.num_tokens >= self.max_model_len or req.num_uncomputed != 1):
                 return None  # it stops by length with the held token
-            need += max(0, -(-(req.num_computed + 1) // ps) - len(req.pages))
-        if need > self.pool.num_free:
+        if sum(self.scheduler.pages_needed(r, 1) for r in reqs) > self.pool.num_free:
             return None  # pages might mean preempting one of them
         batch = self.scheduler.schedule()
         if batch.requests != reqs or batch.preempted or any(n != 1 for n in batch.num_new):
@@ -383,10 +373,7 @@ class Engine:
         reqs = [sampling[i] for i in rows]
         if len(rows) < logits.shape[0]:
             logits = logits.index_select(0, sampler.upload(rows, torch.long, logits.device))
-        ids = sampler.sample_batch(logits, [r.params for r in reqs],
-                                   [r.generator.initial_seed() for r in reqs],
-                                   [len(r.output_token_ids) for r in reqs])
-        for req, tok in zip(reqs, sampler.read_ids(ids)):
+        for req, tok in zip(reqs, sampler.read_ids(self._sample_device(reqs, logits))):
             req.output_token_ids.append(tok)
             req.pending_token_ids.append(tok)
 

@@ -175,14 +175,28 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     return torch.where(is_greedy, greedy, drawn)
 
 
+def start_read(ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Device ids -> a pinned buffer, non-blocking, and the event recorded after that copy
+    (None off CUDA: a copy made at once). `finish_read` waits for it."""
+    if not ids.is_cuda:
+        return ids.clone(), None
+    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+    host.copy_(ids, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def finish_read(host: torch.Tensor, done: torch.cuda.Event | None) -> list[int]:
+    """`start_read`'s ids as a list, after waiting for that copy's event alone."""
+    if done is not None:
+        done.synchronize()
+    return host.tolist()
+
+
 def read_ids(ids: torch.Tensor) -> list[int]:
     """The step's one host sync: device ids -> a pinned buffer (non-blocking), wait for that
     copy's event alone, then a list."""
     if not ids.is_cuda:
         return ids.tolist()
-    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-    host.copy_(ids, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()
+    return finish_read(*start_read(ids))

@@ -98,11 +98,15 @@ class Scheduler:
         if not req.output_token_ids:
             req.num_cached_tokens = req.num_computed
 
+    def pages_needed(self, req: Request, n: int) -> int:
+        """Pages req lacks to cover its first num_computed + n tokens."""
+        ps = self.pool.page_size
+        return max(0, -(-(req.num_computed + n) // ps) - len(req.pages))
+
     def _reserve(self, req: Request, n: int) -> bool:
         """Make sure req's pages cover its first num_computed + n tokens."""
-        ps = self.pool.page_size
-        need = -(-(req.num_computed + n) // ps) - len(req.pages)
-        if need <= 0:
+        need = self.pages_needed(req, n)
+        if need == 0:
             return True
         if self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)

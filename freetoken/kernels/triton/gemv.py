@@ -139,11 +139,10 @@ def gemv_block(FMT: tl.constexpr, w_rows, s_rows, x_row, k0, n_ok, BK: tl.conste
     return acc
 
 
-def gemv_chunk_error(fmt: int, k: int, bk: int, what: str) -> str | None:
-    """Why chunks of BK values cannot serve this fp32 GEMV over K, or None: they must tile K,
-    and a K-quant's dot (Q4_K / Q5_K / Q6_K) takes one super-block a chunk (`gemv_bk`)."""
-    if k % bk:
-        return f"{what}: GEMV chunk BK={bk} must divide K={k}"
+def gemv_chunk_error(fmt: int, bk: int, what: str) -> str | None:
+    """Why chunks of BK values cannot serve this format's fp32 GEMV, or None: a K-quant's dot
+    (Q4_K / Q5_K / Q6_K) takes one super-block a chunk (`gemv_bk`). That BK tiles K is the
+    launchers' own check."""
     if fmt in (13, 14, 15) and bk != 256:
         return (f"{what}: the GEMV over K-quant (Q4_K / Q5_K / Q6_K) weights takes chunks of "
                 f"BK=256, got tiles with BK={bk}")

@@ -316,7 +316,7 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt, dot)
     if bm == 1 and k % bk:
         raise ValueError(f"linear: GEMV chunk BK={bk} must divide K={k}")
-    if bm == 1 and not i8 and (why := gemv_chunk_error(fmt, k, bk, "linear")):
+    if bm == 1 and not i8 and (why := gemv_chunk_error(fmt, bk, "linear")):
         raise ValueError(why)
     if i8 and not i8_chunk_ok(fmt, k, bk):
         raise ValueError(f"linear: int8 GEMV chunk BK={bk} does not tile K={k} for "

@@ -552,8 +552,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     if bm == 1 and (h % up[1] or inter % down[1]):
         raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
                          f"{h} / intermediate {inter}")
-    for name, f, kk, (_, chunk, _, i8) in (("gate/up", f13, h, up), ("down", f2, inter, down)):
-        if bm == 1 and not i8 and (why := gemv_chunk_error(f, kk, chunk, f"fused_moe {name}")):
+    for name, f, (_, chunk, _, i8) in (("gate/up", f13, up), ("down", f2, down)):
+        if bm == 1 and not i8 and (why := gemv_chunk_error(f, chunk, f"fused_moe {name}")):
             raise ValueError(why)
     route_ids, block_slot = _routes(topk_ids, expert_map, bank.num_experts, bm)
     if r == 0:
