@@ -340,14 +340,19 @@ ATTN_CONTEXTS = [(128, 128), (128, 4096), (1024, 1024), (1024, 4096), (4096, 409
 def bench_attention(hbm: float, page: int = 16) -> None:
     """Decode attention, bf16 KV in pages of 16 keys (the engine's default), Qwen3-30B-A3B's
     and Qwen3.6-35B-A3B's heads at batch 1, 4 and 16: split-K merged by the last split to
-    arrive (the default) against the merge kernel's launch and one split. us per call
-    replayed from a CUDA graph; GB/s of the K and V bytes the contexts hold."""
+    arrive, reading 1, 4 or 16 splits' partials a round (MERGE_GROUP), against the merge
+    kernel's launch and one split. us per call replayed from a CUDA graph; GB/s of the K and
+    V bytes the contexts hold."""
+    from freetoken.kernels.triton import attention as tri
     from freetoken.kernels.triton.attention import _tiles, decode, num_splits
 
-    variants = (("merged", {"fused_merge": True}), ("merge launch", {"fused_merge": False}),
-                ("1 split", {"splits": 1}))
+    # (label, decode's keywords, MERGE_GROUP: splits the merging program reads a round)
+    variants = (("merged g1", {"fused_merge": True}, 1), ("merged g4", {"fused_merge": True}, 4),
+                ("merged g16", {"fused_merge": True}, 16),
+                ("merge launch", {"fused_merge": False}, 1), ("1 split", {"splits": 1}, 1))
+    group0 = tri.MERGE_GROUP
     print(f"{'shape':5s} {'batch':>5s} {'ctx':>5s} {'table':>5s} {'splits':>6s} "
-          + " ".join(f"{label + ' us':>15s} {'GB/s':>6s}" for label, _ in variants))
+          + " ".join(f"{label + ' us':>15s} {'GB/s':>6s}" for label, _, _ in variants))
     for name, n_q, n_kv, d in ATTN_SHAPES:
         for b in (1, 4, 16):
             for ctx, keys in ATTN_CONTEXTS:
@@ -361,10 +366,12 @@ def bench_attention(hbm: float, page: int = 16) -> None:
                 call = functools.partial(decode, q, cache, table, lens, scale=d ** -0.5,
                                          window=None, softcap=None)
                 cells = []
-                for _, kw in variants:
+                for _, kw, group in variants:
+                    tri.MERGE_GROUP = group  # read at launch: baked into the graph captured
                     eager, graph = time_call(lambda call=call, kw=kw: call(**kw))
                     ms = graph or eager
                     cells.append(f"{ms * 1e3:15.1f} {nbytes / ms / 1e6:6.0f}")
+                tri.MERGE_GROUP = group0
                 splits = num_splits(b, n_kv, keys, _tiles(d)[0])
                 print(f"{name:5s} {b:5d} {ctx:5d} {keys:5d} {splits:6d} " + " ".join(cells),
                       flush=True)

@@ -157,6 +157,25 @@ def gpu_moe_route_tiles() -> tuple[int, int, int] | None:
     return bn, bk, warps
 
 
+def gpu_attn_merge_splits() -> int | None:
+    """FREETOKEN_GPU_ATTN_MERGE_SPLITS=N: decode attention's split-K partials are merged by
+    the last split of each (sequence, KV head) to arrive up to N splits, by a launch of
+    `_merge_kernel` above (`kernels/triton/attention.py: MERGE_MAX_SPLITS`), for measuring
+    the choice end to end (benchmarks/ab_env.py). Unset: the measured default. N from 1 on
+    (1: every split count gets the merge launch)."""
+    name = "FREETOKEN_GPU_ATTN_MERGE_SPLITS"
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"{name}={v!r}: the split count must be 1 or more")
+    return n
+
+
 def cache_dir() -> str | None:
     """FREETOKEN_CACHE: where assembled packaged models live (default ~/.cache/freetoken)."""
     return os.environ.get("FREETOKEN_CACHE") or None

@@ -72,3 +72,17 @@ def test_moe_route_tiles(monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=why):
             env.gpu_moe_route_tiles()
+
+
+def test_attn_merge_splits(monkeypatch):
+    """FREETOKEN_GPU_ATTN_MERGE_SPLITS=N: an integer from 1 on, else an error naming it."""
+    name = "FREETOKEN_GPU_ATTN_MERGE_SPLITS"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_attn_merge_splits() is None
+    monkeypatch.setenv(name, " 16 ")
+    assert env.gpu_attn_merge_splits() == 16
+    for bad, why in (("0", "1 or more"), ("-2", "1 or more"), ("four", "not an integer")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=why):
+            env.gpu_attn_merge_splits()
+

@@ -220,14 +220,17 @@ def test_decode_merge_in_kernel(window, softcap):
                      softcap=softcap)
 
 
-def test_decode_merge_most_splits_twice(monkeypatch):
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_decode_merge_most_splits_twice(group, monkeypatch):
     """16 splits (most of them empty: 1, 150 and 257 keys in shares of one block), a padded
-    head size (40 of 64) and a 3-head group; a second call gives the same output without a
-    merge launch and leaves the arrival counters at zero (each was reset by its last
-    arriver: graph replays work)."""
+    head size (40 of 64) and a 3-head group, the merging program reading 1, 4 or all 16
+    splits a round (MERGE_GROUP); a second call gives the same output without a merge launch
+    and leaves the arrival counters at zero (each was reset by its last arriver: graph
+    replays work)."""
     from freetoken.kernels.triton import attention as tri
     from freetoken.kernels.triton.arrive import counters
 
+    monkeypatch.setattr(tri, "MERGE_GROUP", group)
     lens = [1, 150, 257]
     q, cache, table, seq_lens, ref = _decode_ref(lens, 6, 2, 40, 200, None)
     kw = dict(scale=40 ** -0.5, window=200, softcap=None)
@@ -263,10 +266,20 @@ def test_decode_merge_default_by_split_count(splits, merge_launches, monkeypatch
     q, cache, table, lens, ref = _decode_ref(MERGE_LENS, 4, 2, 32, None, None)
     launched = []
     monkeypatch.setattr(tri, "_merge_kernel", _Spy(tri._merge_kernel, launched))
+    monkeypatch.delenv("FREETOKEN_GPU_ATTN_MERGE_SPLITS", raising=False)
     out, _ = tri.decode(q, cache, table, lens, scale=32 ** -0.5, window=None, softcap=None,
                         splits=splits)
     close_fp32(out.cpu(), ref)
     assert len(launched) == merge_launches
+    # FREETOKEN_GPU_ATTN_MERGE_SPLITS moves the bound: 4 splits merged in the kernel, and 1
+    # gives even 2 splits the merge launch
+    for bound, want in (("4", 0), ("1", 1)):
+        monkeypatch.setenv("FREETOKEN_GPU_ATTN_MERGE_SPLITS", bound)
+        launched.clear()
+        again, _ = tri.decode(q, cache, table, lens, scale=32 ** -0.5, window=None,
+                              softcap=None, splits=splits)
+        close_fp32(again.cpu(), ref)
+        assert len(launched) == want, bound
 
 
 def test_num_splits_few_variants():

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken import env
 from freetoken.kernels.triton import interpreting, pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
@@ -124,28 +125,33 @@ def _store_rows(out, out_ptr, q8_ptr, b, kvh, heads, dims, gmask, dmask, stride_
 
 @triton.jit
 def _merge_splits(part_ptr, rows, gmask, dims, live_len, split_len, G_PAD: tl.constexpr,
-                  D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+                  D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+                  GROUP: tl.constexpr):
     """The merged output [G_PAD, D_PAD] of the partial rows `rows` [G_PAD] (query heads of
     one KV head; split s at rows * NUM_SPLITS + s), `_merge_kernel`'s arithmetic: weights
     exp(m - max m). A split that starts at or past the sequence's end (s split_len >=
-    live_len: m = NEG, weight 0) is masked instead of read, which gives the same sums. One
-    split's [G_PAD, D_PAD] partial at a time (as many registers as the acc tile), read from L2
-    (other SMs wrote them)."""
+    live_len: m = NEG, weight 0) is masked instead of read, which gives the same sums. The
+    partials are read from L2 (other SMs wrote them) GROUP splits at a time, one [GROUP,
+    G_PAD, D_PAD] load a round: a lone program's rounds are serial L2 latencies, so one split
+    a round made 16 splits slower than the merge kernel's launch (MERGE_GROUP)."""
     s = tl.arange(0, S_PAD)
     live = (s < NUM_SPLITS) & (s * split_len < live_len)
     at = (rows[:, None] * NUM_SPLITS + s[None, :]).to(tl.int64) * (D_PAD + 2) + D_PAD
-    m = tl.load(part_ptr + at, mask=gmask[:, None] & live[None, :], other=NEG,
-                cache_modifier=".cg")
+    ms = gmask[:, None] & live[None, :]
+    m = tl.load(part_ptr + at, mask=ms, other=NEG, cache_modifier=".cg")
     top = tl.max(m, 1)  # [G_PAD]
+    w = tl.exp(m - top[:, None])  # [G_PAD, S_PAD]; a masked split weighs 0
+    den = tl.sum(tl.load(part_ptr + at + 1, mask=ms, other=0.0, cache_modifier=".cg") * w, 1)
     num = tl.zeros([G_PAD, D_PAD], tl.float32)
-    den = tl.zeros([G_PAD], tl.float32)
-    for j in tl.static_range(NUM_SPLITS):
-        ok = gmask & (j * split_len < live_len)
-        base = part_ptr + (rows * NUM_SPLITS + j).to(tl.int64) * (D_PAD + 2)
-        w = tl.exp(tl.load(base + D_PAD, mask=ok, other=NEG, cache_modifier=".cg") - top)
-        num += tl.load(base[:, None] + dims[None, :], mask=ok[:, None], other=0.0,
-                       cache_modifier=".cg") * w[:, None]
-        den += tl.load(base + D_PAD + 1, mask=ok, other=0.0, cache_modifier=".cg") * w
+    for j0 in tl.static_range(0, NUM_SPLITS, GROUP):
+        sj = j0 + tl.arange(0, GROUP)  # [GROUP]
+        ok = ((sj < NUM_SPLITS) & (sj * split_len < live_len))[:, None] & gmask[None, :]
+        base = part_ptr + (rows[None, :] * NUM_SPLITS + sj[:, None]).to(tl.int64) * (D_PAD + 2)
+        wj = tl.exp(tl.load(base + D_PAD, mask=ok, other=NEG, cache_modifier=".cg")
+                    - top[None, :])  # [GROUP, G_PAD]: w's columns sj
+        a = tl.load(base[:, :, None] + dims[None, None, :], mask=ok[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [GROUP, G_PAD, D_PAD]
+        num += tl.sum(a * wj[:, :, None], 0)
     return num / tl.maximum(den, 1e-30)[:, None]
 
 
@@ -162,7 +168,7 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
                    MERGE: tl.constexpr = False, S_PAD: tl.constexpr = 2,
                    PDL: tl.constexpr = False, ROPE: tl.constexpr = False,
                    NORM: tl.constexpr = False, PARTIAL: tl.constexpr = False,
-                   RH: tl.constexpr = 0):
+                   RH: tl.constexpr = 0, GROUP: tl.constexpr = 1):
     """QUANT (D = D_PAD, a multiple of 32): the output rows are also stored quantized for the
     output projection's int8 GEMV (`gemv_i8.quant_store`, rows of `xq_len(Hq D)` at q8).
     NUM_SPLITS > 1: partials [B, Hq, NUM_SPLITS, D_PAD + 2] at part; MERGE: the last split
@@ -229,7 +235,7 @@ def _decode_kernel(q_ptr, cache_ptr, table_ptr, seq_lens_ptr, out_ptr, part_ptr,
         if MERGE:
             if last_to_arrive(count_ptr + b * N_KV + kvh, NUM_SPLITS):
                 out = _merge_splits(part_ptr, rows, gmask, dims, seq_len - first, split_len,
-                                    G_PAD, D_PAD, NUM_SPLITS, S_PAD)
+                                    G_PAD, D_PAD, NUM_SPLITS, S_PAD, GROUP)
                 _store_rows(out, out_ptr, q8_ptr, b, kvh, heads, dims, gmask, dmask,
                             stride_ot, stride_oh, stride_q8, N_KV, G, D, QUANT)
 
@@ -371,6 +377,8 @@ MERGE_COUNTERS = 4096
 # lost (35B, 4 splits: 5.4 / 5.3; 30B, 16 splits, 1024 keys: 9.7 / 6.1; 4096 keys: 14.2 /
 # 10.5).
 MERGE_MAX_SPLITS = 2
+# Splits the merging program reads a round (`_merge_splits`; at most the padded split count).
+MERGE_GROUP = 4
 
 
 def _rope_args(q: torch.Tensor, rope: tuple | None) -> tuple:
@@ -422,7 +430,7 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
     part = (torch.empty(bsz, n_q, splits, d_pad + 2, dtype=torch.float32, device=q.device)
             if splits > 1 else out)
     if fused_merge is None:
-        fused_merge = splits <= MERGE_MAX_SPLITS
+        fused_merge = splits <= (env.gpu_attn_merge_splits() or MERGE_MAX_SPLITS)
     fused = splits > 1 and fused_merge and bsz * n_kv <= MERGE_COUNTERS
     count = counters("attn_merge", MERGE_COUNTERS, q.device) if fused else out
     quantize = quantize and d == d_pad and d % 32 == 0
@@ -436,7 +444,8 @@ def decode(q: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         IEEE=cache.dtype == torch.float32,
         MAX_ITERS=_max_iters(triton.cdiv(max_ctx, splits), block_n), QUANT=quantize,
-        MERGE=fused, S_PAD=_pow2(splits, 2), num_warps=warps, enable_fp_fusion=not quantize,
+        MERGE=fused, S_PAD=_pow2(splits, 2), GROUP=min(MERGE_GROUP, _pow2(splits, 2)),
+        num_warps=warps, enable_fp_fusion=not quantize,
         **_rope_consts(q, rope), **pdl.opts())  # codes: as gemv_i8's
     if splits > 1 and not fused:
         _merge_kernel[(bsz, n_q)](part, out, q8, out.stride(0), out.stride(1), q8.stride(0),
