@@ -92,6 +92,14 @@ def gpu_down_arrive_sum() -> bool:
     return _unless_off("FREETOKEN_GPU_DOWN_SUM")
 
 
+def gpu_norm_fold() -> bool:
+    """FREETOKEN_GPU_NORM_FOLD=0: at decode on a GPU, the next layer's residual add and input
+    RMSNorm run as a launch of their own instead of in the MoE's last kernel (the down
+    kernel's last-arriving program, or the receive of the CPU's answer; `kernels/norm.py`:
+    folding)."""
+    return _unless_off("FREETOKEN_GPU_NORM_FOLD")
+
+
 def gpu_side_stream() -> bool:
     """FREETOKEN_GPU_SIDE_STREAM=0: with the offload, cpu and hybrid backends on a GPU, the
     shared expert runs after the routed experts' device kernel on the compute stream instead

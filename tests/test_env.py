@@ -16,6 +16,7 @@ SWITCHES = {
     "FREETOKEN_GPU_ROPE_ATTN": env.gpu_rope_attn,
     "FREETOKEN_GPU_GDN_FUSED": env.gpu_gdn_fused,
     "FREETOKEN_GPU_DOWN_SUM": env.gpu_down_arrive_sum,
+    "FREETOKEN_GPU_NORM_FOLD": env.gpu_norm_fold,
     "FREETOKEN_GPU_SIDE_STREAM": env.gpu_side_stream,
     "FREETOKEN_GPU_RECEIVE_SHARED": env.gpu_receive_shared,
 }

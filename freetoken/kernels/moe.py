@@ -68,17 +68,20 @@ def _check(x: torch.Tensor, bank: ExpertBank, ids: torch.Tensor, w: torch.Tensor
 
 def fused_moe(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, activation: str = "silu",
-              expert_map: torch.Tensor | None = None) -> torch.Tensor:
+              expert_map: torch.Tensor | None = None, norm_fold=None) -> torch.Tensor:
     """x [T, H], topk_ids int [T, k], topk_weights [T, k] -> y [T, H] in x's dtype.
 
     `expert_map` int32 [E] (on x's device): expert -> slot of the bank, -1 = not here.
+    `norm_fold` (`kernels/norm.py` NormFold): the residual step that takes y next, which the
+    GPU kernels may compute too (y then carries it); ignored elsewhere.
     """
     _check(x, bank, topk_ids, topk_weights, expert_map)
     if x.is_cuda and bank.w13.data.is_cuda:
         from freetoken.kernels.triton.moe import fused_moe_triton, supported  # lazy: triton
 
         if supported(bank):
-            return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map)
+            return fused_moe_triton(x, bank, topk_ids, topk_weights, activation, expert_map,
+                                    norm_fold=norm_fold)
     if not x.is_cuda and expert_map is None and cpu_kernels.int8_dots():
         y = cpu_kernels.cpu_fused_moe(x, bank, topk_ids, topk_weights, activation)
         if y is not None:

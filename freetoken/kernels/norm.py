@@ -4,12 +4,24 @@ Triton kernel (`freetoken.kernels.triton.norm`) on CUDA tensors.
 `rms_norm(x, w, eps)`: y = x / sqrt(mean(x^2) + eps) * w over the last dimension, in fp32,
 returned in x's dtype. `add_rms_norm(x, residual, w, eps)`: s = x + residual (in x's dtype),
 then (rms_norm(s), s): the pre-norm decoder's residual step in one launch on the GPU.
+
+Folding (GPU, decode): a decoder layer's MoE output goes only into the next layer's residual
+step. So the layer declares that step (`folding(norm, residual)`), the MoE backend takes it
+(`take_fold`) and hands it to the kernel that writes the output last (the down kernel's
+last-arriving program, the receive of the CPU's answer), which also computes it, with the
+RMSNorm kernel's arithmetic (`triton/norm.py: norm_row`), and tags the output with it
+(`fold_done`); `add_rms_norm` of that output with that residual and weight then returns it
+without a launch. A backend that cannot fold ignores the request and nothing changes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import NamedTuple
+
 import torch
 
+from freetoken import env
 from freetoken.kernels import xq
 from freetoken.kernels.cpu_kernels import cpu_rms_norm
 
@@ -67,7 +79,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, quantize: bool =
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                  quantize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); the sum is rounded to x's dtype first.
-    `quantize` as for `rms_norm`."""
+    `quantize` as for `rms_norm`. Where the kernel that wrote x computed this very step
+    (folding: the same residual, weight, eps and quantize), its results, with no launch."""
+    done = xq.tagged(x, _FOLDED)
+    if done is not None:
+        fold, y, s = done
+        if (fold.residual is residual and fold.weight is weight and fold.eps == eps
+                and fold.quantize == quantize):
+            return y, s
     _check(x, weight, residual)
     if _cpu_f32(x, weight):
         r = cpu_rms_norm(x, weight, eps, residual)
@@ -83,3 +102,65 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     y, s, q = rms_norm_triton(_rows(x), weight, eps, _rows(residual),
                               quantize=quantize and xq.wanted(x))
     return xq.attach(y.view(x.shape), q), s.view(x.shape)
+
+
+class NormFold(NamedTuple):
+    """The residual step that takes a kernel's output next: `add_rms_norm(output, residual,
+    weight, eps, quantize)`."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    quantize: bool
+
+
+_FOLDED = "_freetoken_norm_folded"
+FOLD_ROWS = 64  # decode: the most rows a fold is offered for (the hand-off's token limit)
+_pending: NormFold | None = None
+
+
+@contextlib.contextmanager
+def folding(weight: torch.Tensor, eps: float, quantize: bool, residual: torch.Tensor):
+    """While the block runs, a MoE backend may take (`take_fold`) the residual step that
+    takes the block's output next, for its last kernel to compute (GPU decode sizes, unless
+    FREETOKEN_GPU_NORM_FOLD=0)."""
+    global _pending
+    old = _pending
+    ok = (residual.is_cuda and residual.dim() == 2 and residual.stride(-1) == 1
+          and residual.shape[0] <= FOLD_ROWS and _on_gpu(residual, weight)
+          and weight.shape == (residual.shape[-1],) and env.gpu_norm_fold())
+    _pending = NormFold(residual, weight, float(eps), quantize) if ok else None
+    try:
+        yield
+    finally:
+        _pending = old
+
+
+def take_fold(x: torch.Tensor) -> NormFold | None:
+    """The pending residual step, for the kernel that writes the output of the MoE whose input
+    is x [T, H] (same shape and dtype as the residual), else None. Taken once: the kernels a
+    backend runs before its last one do not see it."""
+    global _pending
+    fold, _pending = _pending, None
+    if fold is None or fold.residual.shape != x.shape or fold.residual.dtype != x.dtype:
+        return None
+    return fold
+
+
+def fold_buffers(fold: NormFold) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(y, s, y's int8 codes or None) for a kernel that computes `fold`: `rms_norm_triton`'s
+    outputs for the residual's shape."""
+    from freetoken.kernels.triton.gemv_i8 import xq_len
+
+    r = fold.residual
+    y, s = torch.empty_like(r), torch.empty_like(r)
+    quant = fold.quantize and xq.wanted(r) and r.shape[-1] % 32 == 0
+    q = (torch.empty((r.shape[0], xq_len(r.shape[-1])), dtype=torch.int32, device=r.device)
+         if quant else None)
+    return y, s, q
+
+
+def fold_done(out: torch.Tensor, fold: NormFold, y: torch.Tensor, s: torch.Tensor,
+              q: torch.Tensor | None) -> torch.Tensor:
+    """out, carrying the residual step `fold` its kernel computed: (y with its codes q, s)."""
+    return xq.tag(out, _FOLDED, (fold, xq.attach(y, q), s))

@@ -48,6 +48,14 @@ class CausalLM(nn.Module):
                                             embed_scale(config))
         self.model.layers = nn.ModuleList(self.make_layer(i) for i in range(config.num_layers))
         self.model.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, self.norm_plus_one)
+        # a layer that offers its successor's residual step to its last kernel learns which
+        # norm that is (models/llama.py: next_norm): the next layer's input norm, the final
+        # norm after the last (the norms' weights are read when a step runs: after loading)
+        layers = list(self.model.layers)
+        after = [getattr(n, "input_layernorm", None) for n in layers[1:]] + [self.model.norm]
+        for layer, nxt in zip(layers, after):
+            if hasattr(layer, "set_next_norm"):
+                layer.set_next_norm(nxt)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         # None until loaded: tied models read the embedding table instead.
         self.lm_head = None if config.tie_word_embeddings else Linear(

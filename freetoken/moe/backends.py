@@ -21,8 +21,10 @@ MoEFn = Callable[[torch.Tensor, ExpertBank, torch.Tensor, torch.Tensor, str], to
 
 def _fused(x, bank, topk_ids, topk_weights, activation):
     from freetoken.kernels.moe import fused_moe
+    from freetoken.kernels.norm import take_fold
 
-    return fused_moe(x, bank, topk_ids, topk_weights, activation)
+    # the kernels write the output last: they may compute the residual step after it
+    return fused_moe(x, bank, topk_ids, topk_weights, activation, norm_fold=take_fold(x))
 
 
 BACKENDS: dict[str, MoEFn] = {"fused": _fused}

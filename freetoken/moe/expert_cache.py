@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from freetoken import env
 from freetoken.kernels.moe import fused_moe
+from freetoken.kernels.norm import take_fold
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.handoff import HINT_ROUTES, Handoff
 from freetoken.moe.host_banks import executor_bank
@@ -180,19 +181,25 @@ class ExpertCache:
         for held in [k for k in self._ahead_events if k < layer or (k == layer and not split)]:
             for ev in self._ahead_events.pop(held):  # a call that does not join them itself
                 torch.cuda.current_stream(self.device).wait_event(ev)
+        # the residual step after this call (kernels/norm.py: folding), for the kernel that
+        # writes the output last: the receive of the CPU's answer, or the device's kernel
+        fold = take_fold(x)
         if split:
-            return self._split(layer, x, ids, w, activation, side)
+            return self._split(layer, x, ids, w, activation, side, fold)
         if self.prefill is not None and T >= PREFILL_TOKENS:
             y = self.prefill.forward(layer, x, ids, w, activation)
         else:
             y = self._fetch_all(layer, x, ids, w, activation)
         return y if side is None else side(y)
 
-    def _split(self, layer: int, x, ids, w, activation: str, side: Callable | None = None):
+    def _split(self, layer: int, x, ids, w, activation: str, side: Callable | None = None,
+               fold=None):
         """Plan (hits, fetches, the CPU's misses) on the device; the CPU's job posted; the
         fetches copied into their slots; the device kernel over hits and fetched experts;
         the CPU's answer added. Offload (graphs only) posts a job only when a call's misses
-        can outnumber the slots: their leftovers are the CPU's."""
+        can outnumber the slots: their leftovers are the CPU's. fold: the residual step
+        after the call (`kernels/norm.py` NormFold), for the last kernel to compute where it
+        can (the receive, or the device kernel where no receive or side follows it)."""
         c = self.cache
         T = ids.shape[0]
         capturing = _capturing()
@@ -240,20 +247,22 @@ class ExpertCache:
                                    "(a part's bytes are not a multiple of 4)")
             else:
                 self._fill(layer, fetched)
+        last = fold if ho is None and side is None else None  # the device kernel's
         with record_function("moe.device"):
-            y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap)
-        fold = None
+            y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap,
+                          norm_fold=last)
+        shared = None
         if hinted or terms is not None:  # the side stream's work, joined before the wait
             torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
         if terms is not None:
-            fold = _fold(side, terms, ho)
-            if fold is None:
+            shared = _fold(side, terms, ho)
+            if shared is None:
                 y = side.finish(y, terms)
         elif side is not None:  # before the wait: off the critical path when the CPU is
             y = side(y)
         if ho is not None:
             with record_function("moe.cpu"):
-                y = ho.receive(y, fold)
+                y = ho.receive(y, shared, fold)
         if ahead is not None:
             self._ahead_fill(layer + 1, ahead)
         return y

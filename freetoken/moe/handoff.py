@@ -229,14 +229,17 @@ class Handoff:
         self._n = (self._n + 1) & 0xFFFFFFFF
         self._worker.post(self._n)
 
-    def receive(self, y: torch.Tensor, shared: tuple | None = None) -> torch.Tensor:
+    def receive(self, y: torch.Tensor, shared: tuple | None = None, fold=None) -> torch.Tensor:
         """y + the CPU's part of the last job (in y's dtype, summed in fp32). shared, on a GPU
         only: the shared expert's (sh, x, gate row or None) added in the same launch, with the
-        bits of its own launch before (`kernels/triton/handoff.receive_add`)."""
+        bits of its own launch before (`kernels/triton/handoff.receive_add`). fold: the
+        residual step after it (`kernels/norm.py` NormFold), computed in the same launch on
+        a GPU where no shared expert is added (the output then carries it), else ignored."""
         if self.seq is not None:
             from freetoken.kernels.triton.handoff import receive_add
 
-            return receive_add(y, self.seq, self.buf, self.off, self._waits, shared)
+            return receive_add(y, self.seq, self.buf, self.off, self._waits, shared,
+                               fold if shared is None else None)
         if shared is not None:
             raise ValueError("hand-off: the receive adds a shared expert on a GPU only")
         if not self._worker.wait(self._n, WAIT_TIMEOUT_S):

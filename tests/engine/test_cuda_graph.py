@@ -141,6 +141,48 @@ def test_graphs_give_the_eager_tokens(model):
 
 
 @needs_cuda
+@pytest.mark.parametrize("backend,dtype", [("fused", "float32"), ("fused", "bfloat16"),
+                                           ("hybrid", "float32")])
+def test_folded_residual_steps_give_the_unfolded_tokens(backend, dtype, monkeypatch):
+    """The next layer's residual step computed by the MoE's last kernel (the down kernel's
+    last-arriving programs, fused; the receive of the CPU's answer, hybrid:
+    kernels/norm.py, folding) gives the separate RMSNorm launches' greedy tokens, graphed
+    and overlapped, and does take the place of those launches: an eager forward of
+    tiny-qwen3-moe launches the RMSNorm kernel once per layer fewer with it."""
+    from freetoken.kernels.triton import norm as tnorm
+
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in range(3)]
+    kw = dict(model="tiny-qwen3-moe", dtype=dtype, moe_backend=backend)
+    if backend == "hybrid":
+        kw.update(moe_cache_rate=0.25)
+    runs, launches = {}, {}
+    real = tnorm.rms_norm_triton
+    for fold in ("0", "1"):
+        monkeypatch.setenv("FREETOKEN_GPU_NORM_FOLD", fold)
+        eng = dummy_engine(**kw)
+        runs[fold] = generate(eng, params)
+        if eng.moe is not None:
+            eng.moe.close()
+        eager = dummy_engine(disable_cuda_graph=True, disable_overlap_schedule=True, **kw)
+        calls = []
+        monkeypatch.setattr(tnorm, "rms_norm_triton",
+                            lambda *a, calls=calls, **k: calls.append(1) or real(*a, **k))
+        generate(eager, [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)])
+        monkeypatch.setattr(tnorm, "rms_norm_triton", real)
+        launches[fold] = len(calls)
+        if eager.moe is not None:
+            eager.moe.close()
+    assert runs["1"] == runs["0"]
+    # every layer of tiny-qwen3-moe is sparse, the last one's fold is the final norm's; the
+    # decode step folds, and the 5-token prompt's forward where its token count allows
+    from freetoken.kernels.triton.moe import NORM_FOLD_TOKENS
+
+    layers = eager.model.config.num_layers
+    forwards = 2 if backend == "hybrid" or 5 <= NORM_FOLD_TOKENS else 1
+    assert launches["0"] - launches["1"] == forwards * layers, launches
+
+
+@needs_cuda
 @pytest.mark.parametrize("side_stream,receive_shared,split",
                          [("1", "1", False), ("0", "1", True), ("1", "0", False)])
 def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, split,

@@ -137,6 +137,41 @@ def test_down_kernel_sums_as_the_sum_kernel(f13, f2, tokens, act, tiles, monkeyp
         assert torch.equal(fused_moe_triton(*args).cpu(), want)
 
 
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("f13,f2,tokens,act,tiles", [CASES[0], CASES[1]])
+def test_down_kernel_folds_the_next_residual_step(f13, f2, tokens, act, tiles, quantize,
+                                                  monkeypatch):
+    """Decode with a fold (`kernels/norm.py`: the next layer's residual step): the output is
+    the plain call's, bit for bit, and carries the RMSNorm kernel's (y, s, codes) of it and the
+    residual, computed by the last of each token's row blocks (`_arrive_and_norm`), which
+    `add_rms_norm` returns; on a second call too (its counters reset). The codes are asked
+    for on the CPU too (the interpreter)."""
+    from freetoken.kernels import norm, xq
+    from freetoken.kernels.triton.norm import rms_norm_triton
+
+    if quantize and not CUDA:
+        monkeypatch.setattr(xq, "wanted", lambda x: True)
+    bank, x, ids, w, emap, ref, mag = _case(f13, f2, tokens, act, tokens * 13 + len(f13))
+    dev_bank = ExpertBank(cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV),
+                          bank.scales.to(DEV))
+    args = (x.to(DEV), dev_bank, ids.to(DEV), w.to(DEV), act, emap.to(DEV),
+            None if CUDA else tiles)
+    gen = torch.Generator().manual_seed(tokens)
+    res = torch.randn(tokens, H, generator=gen).to(DEV)
+    weight = (torch.rand(H, generator=gen) + 0.5).to(DEV)
+    want = fused_moe_triton(*args)
+    # codes where an int8 GEMV would read them (a 16-bit activation on CUDA; forced on the CPU)
+    ny, ns, nq = rms_norm_triton(want, weight, 1e-5, res,
+                                 quantize=quantize and xq.wanted(want))
+    for _ in range(2):
+        got = fused_moe_triton(*args, norm_fold=norm.NormFold(res, weight, 1e-5, quantize))
+        assert torch.equal(got, want)
+        fy, fs = norm.add_rms_norm(got, res, weight, 1e-5, quantize)
+        assert torch.equal(fy, ny) and torch.equal(fs, ns)
+        if nq is not None:
+            assert torch.equal(xq.attached(fy), nq)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["nvfp4", "Q4_K", "Q8_0", "mxfp4", "MXFP4", "fp8_block"])
 @pytest.mark.parametrize("tokens", [1, 4, 16, 100])

@@ -74,6 +74,17 @@ CASES.update({
         dict(H=2048, BLOCK=1024, GATE=g, ASM=True), (), 4)
     for g in (False, True)
 })
+# the receive with the next layer's residual step folded in (`handoff.receive_add(fold=)`),
+# one program a token at the 30B's width, with and without the codes
+CASES.update({
+    f"receive-norm-quant{q}": (
+        "freetoken.kernels.triton.handoff", "_receive_norm_kernel",
+        {"y_ptr": _BF, "out_ptr": _BF, "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32",
+         "waits_ptr": "*i64", "timeout_ns": "i64", "res_ptr": _BF, "nw_ptr": "*fp32",
+         "ny_ptr": _BF, "ns_ptr": _BF, "nq_ptr": "*i32"},
+        dict(H=2048, QUANT=q, BLOCK=2048, ASM=True), ("eps",), 4)
+    for q in (False, True)
+})
 # the next layer's hint for the CPU worker's warming (`handoff.post_hint`): one token of the
 # 30B (128 experts), eight of the 35B (256 experts)
 CASES.update({

@@ -395,3 +395,37 @@ def test_hint_kernel_writes_the_plans_fetch_order(T, live, E_):
     assert misses > 0 and len(order) == min(misses, HINT_MAX)
     assert words[:3].tolist() == [41, 3, misses]
     assert words[4:4 + len(order)].tolist() == order
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,hidden", [(1, 160), (3, 1024)])  # a masked row, a full one
+def test_receive_folds_the_next_residual_step(T, hidden, dtype, quantize, monkeypatch):
+    """The receive with a fold (`kernels/norm.py`: the next layer's residual step) gives the
+    plain receive's sum, bit for bit, and carries the RMSNorm kernel's (y, s, codes) of that
+    sum and the residual, which `add_rms_norm` of the sum returns; another residual tensor
+    gets the plain residual step. The codes are asked for on the CPU too (the interpreter)."""
+    from freetoken.kernels import norm, xq
+    from freetoken.kernels.triton.handoff import receive_add
+    from freetoken.kernels.triton.norm import rms_norm_triton
+
+    if quantize and DEV == "cpu":
+        monkeypatch.setattr(xq, "wanted", lambda x: True)
+    g = torch.Generator().manual_seed(T * hidden)
+    y, res = ((torch.randn(T, hidden, generator=g) * 2).to(dtype).to(DEV) for _ in range(2))
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(DEV)
+    fold = norm.NormFold(res, weight, 1e-6, quantize)
+    buf, off, seq, waits = _answered(T, hidden, 3)
+    got = receive_add(y, seq, buf, off, waits, None, fold)
+    want = receive_add(y, seq, buf, off, waits)
+    assert torch.equal(got, want)
+    # codes where an int8 GEMV would read them (a 16-bit activation on CUDA; forced on the CPU)
+    ny, ns, nq = rms_norm_triton(want, weight, 1e-6, res, quantize=quantize and xq.wanted(want))
+    fy, fs = norm.add_rms_norm(got, res, weight, 1e-6, quantize)
+    assert torch.equal(fy, ny) and torch.equal(fs, ns)
+    if nq is not None:
+        assert torch.equal(xq.attached(fy), nq)
+    other = res.clone()
+    py, ps = norm.add_rms_norm(got, other, weight, 1e-6, quantize)
+    assert py is not fy and torch.equal(ps, got + other)  # not the fold's: computed again
+    assert waits.tolist() == [0, 2]

@@ -30,10 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels.norm import fold_buffers, fold_done
 from freetoken.kernels.triton import interpreting
 from freetoken.kernels.triton.glu import GATE_WARPS, gate_block, sigmoid_dot
+from freetoken.kernels.triton.norm import norm_row, norm_warps
 
 TIMEOUT_S = 30.0  # a hand-off answered later than this is an error (the worker died or hung)
+RECEIVE_NORM_MAX_H = 8192  # the widest row the receive's per-token programs normalise
 FILL_CHUNK = 4096  # 4-byte words one fill program copies
 
 
@@ -159,6 +162,28 @@ def _receive_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_ou
 
 
 @triton.jit
+def _receive_norm_kernel(y_ptr, out_ptr, seq_ptr, hi32, hf32, o_done, o_timeout, o_out,
+                         timeout_ns, waits_ptr, res_ptr, nw_ptr, ny_ptr, ns_ptr, nq_ptr,
+                         stride_r, stride_ny, stride_ns, stride_nq, eps, H: tl.constexpr,
+                         QUANT: tl.constexpr, BLOCK: tl.constexpr, ASM: tl.constexpr = True):
+    """Program t: token t's row of `_receive_kernel` (out = y + the CPU's out, y and out
+    [T, H] contiguous), then the residual step that takes it next (`kernels/norm.py`:
+    folding) with the RMSNorm kernel's arithmetic (`norm.norm_row`): the next layer's add +
+    RMSNorm (+ codes) in the receive's launch."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    y = tl.load(y_ptr + t * H + cols, mask=ok, other=0.0).to(tl.float32)
+    d = _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr,
+                      tl.program_id(0) == 0, ASM)
+    c = tl.load(hf32 + o_out + t * H + cols + (d - d), mask=ok, other=0.0, cache_modifier=".cv")
+    o = (y + c).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * H + cols, o, mask=ok)
+    norm_row(o, res_ptr + t * stride_r, nw_ptr, ny_ptr + t * stride_ny, ns_ptr + t * stride_ns,
+             nq_ptr + t * stride_nq, cols, ok, H, eps, True, QUANT, BLOCK)
+
+
+@triton.jit
 def _receive_shared_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, seq_ptr, hi32, hf32, o_done,
                            o_timeout, o_out, stride_sh, stride_x, timeout_ns, waits_ptr,
                            H: tl.constexpr, BLOCK: tl.constexpr, GATE: tl.constexpr,
@@ -280,7 +305,7 @@ def send(job: tuple[tuple, dict], emap: torch.Tensor) -> None:
 
 
 def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict,
-                waits: torch.Tensor, shared: tuple | None = None) -> torch.Tensor:
+                waits: torch.Tensor, shared: tuple | None = None, fold=None) -> torch.Tensor:
     """y [T, H] + the CPU's out (fp32 sum, y's dtype), after waiting for the worker's answer;
     the wait's nanoseconds and one call are added to waits (int64 [2] on the device).
 
@@ -289,12 +314,28 @@ def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
     dtype; w_gate [H] the gate's weight row, gate = sigmoid(x . w_gate) per token in fp32
     (`glu.sigmoid_dot`), or None for an ungated expert (gate = 1, x unread). The arithmetic
     of the two launches, bit for bit: y + gate * sh in fp32 rounded to y's dtype (as
-    `_gated_add_kernel` stores it, or torch's y + sh), then + out in fp32, rounded again."""
+    `_gated_add_kernel` stores it, or torch's y + sh), then + out in fp32, rounded again.
+
+    fold (`kernels/norm.py` NormFold, without `shared`): the residual step that takes the sum
+    next, computed in the same launch (a program per token holding its row; the output
+    carries it: `norm.fold_done`)."""
     y = y.contiguous()
     out = torch.empty_like(y)
     wait = (seq, buf.view(torch.int32), buf.view(torch.float32), off["done"] // 4,
             off["timeout"] // 4, off["out"] // 4)
     timeout_ns = int(TIMEOUT_S * 1e9)
+    if fold is not None and shared is None and y.shape[-1] <= RECEIVE_NORM_MAX_H:
+        T, H = y.shape
+        ny, ns, nq = fold_buffers(fold)
+        r = fold.residual
+        nq_ = nq if nq is not None else ny
+        block = triton.next_power_of_2(H)
+        _receive_norm_kernel[(T,)](
+            y, out, *wait, timeout_ns, waits, r, fold.weight, ny, ns, nq_, r.stride(0),
+            ny.stride(0), ns.stride(0), nq_.stride(0), fold.eps, H=H, QUANT=nq is not None,
+            BLOCK=block, ASM=not interpreting(), num_warps=norm_warps(block),
+            enable_fp_fusion=False)  # the codes as the RMSNorm kernel's
+        return fold_done(out, fold, ny, ns, nq)
     if shared is None:
         N = y.numel()
         BLOCK = 1024

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from freetoken import env
+from freetoken.kernels.norm import FOLD_ROWS, fold_buffers, fold_done
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
@@ -57,6 +58,7 @@ from freetoken.kernels.triton.gemv_i8 import (
 )
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args, xq_rows
 from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, glu, grouped_expert_kernels
+from freetoken.kernels.triton.norm import norm_row
 from freetoken.kernels.triton.pdl import wait
 from freetoken.kernels.triton.quant import decode_tile, format_id
 from freetoken.kernels.triton.tiles import fast_tile, has_fast_tile
@@ -163,9 +165,15 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
                  UNROLL: tl.constexpr, MAP: tl.constexpr, I8: tl.constexpr = False,
                  ASM: tl.constexpr = True, XQ: tl.constexpr = False,
                  SUM: tl.constexpr = False, count_ptr=None, out_ptr=None, stride_om=0,
-                 TOPK: tl.constexpr = 1, stride_bs=4, PDL: tl.constexpr = False):
+                 TOPK: tl.constexpr = 1, stride_bs=4, PDL: tl.constexpr = False,
+                 NORM: tl.constexpr = False, ncount_ptr=None, res_ptr=None, nw_ptr=None,
+                 ny_ptr=None, ns_ptr=None, nq_ptr=None, stride_nr=0, stride_ny=0, stride_ns=0,
+                 stride_nq=0, eps=0.0, NQUANT: tl.constexpr = False,
+                 BLOCK_H: tl.constexpr = 1):
     """XQ: a_ptr / stride_am are a's rows quantized by `_gate_up_kernel` (QA). SUM (decode,
-    BM = 1): the token's routes' rows are also summed into out (`_arrive_and_sum`)."""
+    BM = 1): the token's routes' rows are also summed into out (`_arrive_and_sum`); NORM: and
+    the next residual step of the token's out row is computed by the last of its row blocks
+    to be summed (`_arrive_and_norm`)."""
     wait(PDL)  # pdl.py: the kernel before has completed
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, map_ptr, R, BM, MAP)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -175,7 +183,10 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
             zero = tl.zeros((BN,), dtype=tl.float32)
             tl.store(y_ptr + tl.program_id(0).to(tl.int64) * stride_ym + rn, zero, mask=n_ok)
         if SUM:
-            _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om, TOPK)
+            _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om, TOPK,
+                            NORM, ncount_ptr, res_ptr, nw_ptr, ny_ptr, ns_ptr, nq_ptr,
+                            stride_nr, stride_ny, stride_ns, stride_nq, eps, HIDDEN, NQUANT,
+                            BLOCK_H)
         return
     w_rows, s_rows = _row_ptrs(w_ptr + slot.to(tl.int64) * stride_ws,
                                s_ptr + slot.to(tl.int64) * stride_ss, rn, stride_wn, stride_sn,
@@ -204,16 +215,25 @@ def _down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
     out = y_ptr + routes[:, None].to(tl.int64) * stride_ym + rn[None, :]
     tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
     if SUM:
-        _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om, TOPK)
+        _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om, TOPK,
+                        NORM, ncount_ptr, res_ptr, nw_ptr, ny_ptr, ns_ptr, nq_ptr,
+                        stride_nr, stride_ny, stride_ns, stride_nq, eps, HIDDEN, NQUANT,
+                        BLOCK_H)
 
 
 @triton.jit
 def _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om,
-                    TOPK: tl.constexpr):
+                    TOPK: tl.constexpr, NORM: tl.constexpr = False, ncount_ptr=None,
+                    res_ptr=None, nw_ptr=None, ny_ptr=None, ns_ptr=None, nq_ptr=None,
+                    stride_nr=0, stride_ny=0, stride_ns=0, stride_nq=0, eps=0.0,
+                    HIDDEN: tl.constexpr = 1, NQUANT: tl.constexpr = False,
+                    BLOCK_H: tl.constexpr = 1):
     """Decode (program (route, row block)): the last of a token's TOPK route programs of this
     row block to arrive (an atomic counter per token and row block, which it resets for the
     next call: CUDA-graph safe) adds the token's rows of y in route order in fp32, as
-    `_sum_routes_kernel` does, into out in its dtype: the sum without a launch of its own."""
+    `_sum_routes_kernel` does, into out in its dtype: the sum without a launch of its own.
+    NORM: then the last of the token's row blocks to be summed (a second counter, per token)
+    computes the next residual step of the token's whole out row (`_arrive_and_norm`)."""
     t = tl.program_id(0) // TOPK
     if last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), TOPK):
         acc = tl.zeros(rn.shape, dtype=tl.float32)
@@ -222,6 +242,28 @@ def _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om,
                            other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
         tl.store(out_ptr + t.to(tl.int64) * stride_om + rn,
                  acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+        if NORM:
+            _arrive_and_norm(t.to(tl.int64), out_ptr, stride_om, ncount_ptr, res_ptr, nw_ptr,
+                             ny_ptr, ns_ptr, nq_ptr, stride_nr, stride_ny, stride_ns,
+                             stride_nq, eps, HIDDEN, NQUANT, BLOCK_H)
+
+
+@triton.jit
+def _arrive_and_norm(t, out_ptr, stride_om, ncount_ptr, res_ptr, nw_ptr, ny_ptr, ns_ptr,
+                     nq_ptr, stride_nr, stride_ny, stride_ns, stride_nq, eps,
+                     HIDDEN: tl.constexpr, NQUANT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The last of token t's row blocks to store its out values (a counter per token, reset
+    for the next call) reads the whole row back from L2 and computes the residual step that
+    takes it next (`kernels/norm.py`: folding) with the RMSNorm kernel's arithmetic
+    (`norm.norm_row`): the next layer's add + RMSNorm (+ codes) without a launch of its own."""
+    if last_to_arrive(ncount_ptr + t, tl.num_programs(1)):
+        cols = tl.arange(0, BLOCK_H)
+        ok = cols < HIDDEN
+        row = tl.load(out_ptr + t * stride_om + cols, mask=ok, other=0.0,
+                      cache_modifier=".cg")  # other SMs wrote them
+        norm_row(row, res_ptr + t * stride_nr, nw_ptr, ny_ptr + t * stride_ny,
+                 ns_ptr + t * stride_ns, nq_ptr + t * stride_nq, cols, ok, HIDDEN, eps, True,
+                 NQUANT, BLOCK_H)
 
 
 @triton.jit
@@ -367,6 +409,15 @@ DOWN_SUM_TOKENS = 8
 # Arrival counters of the decode down kernel's sums (`_arrive_and_sum`): one per token and row
 # block; more than this and the separate sum kernel runs.
 SUM_COUNTERS = 16384
+# The widest row whose next residual step the down kernel's last program computes (one
+# program holds the row, as the RMSNorm kernel's)
+NORM_FOLD_MAX_H = 8192
+# The most tokens at which it does. Measured on the H200 (30B shape, fused, ab_env, tok/s
+# without -> with, 2026-12-04): Q4_K batch 1 448.5 -> 453.3 and 447.7 -> 452.3, batch 2
+# 592.4 -> 600.4, batch 4 1,026.9 -> 1,033.4, batch 16 2,406.9 -> 2,329.8; NVFP4 batch 1
+# 450.7 -> 457.6, batch 16 2,270.5 -> 2,240.0 (at 16 tokens the per-token tails of the last
+# row blocks cost more than the RMSNorm launch they replace); 8 not measured
+NORM_FOLD_TOKENS = 4
 
 
 def supported(bank: ExpertBank) -> bool:
@@ -519,8 +570,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      tiles: tuple[int, int, int, int] | None = None,
                      unroll: int | None = None, grouped: bool | None = None,
                      group_tiles: tuple[int, int, int] | None = None,
-                     quant_a: bool | None = None, down_sum: bool | None = None
-                     ) -> torch.Tensor:
+                     quant_a: bool | None = None, down_sum: bool | None = None,
+                     norm_fold=None) -> torch.Tensor:
     """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
 
     `tiles` (BM, BN, BK, num_warps) overrides the choice by batch size (tests under the
@@ -530,7 +581,10 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     batch size (`GROUPED_TOKENS`; today never). `group_tiles` (BT, BN, num_warps) overrides
     their tiles. `quant_a` forces gate/up's quantized GLU output for the int8 down GEMV on
     or off (None: `QUANT_A_FORMATS`); `down_sum` the int8 down-and-sum kernel (None: where the
-    FFN is one chunk, from `DOWN_SUM_TOKENS` tokens)."""
+    FFN is one chunk, from `DOWN_SUM_TOKENS` tokens). `norm_fold` (`kernels/norm.py`
+    NormFold): the residual step that takes y next, computed by the down kernel's
+    last-arriving programs where it sums the routes (the output then carries it), else
+    ignored."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
@@ -608,6 +662,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     n_blocks = triton.cdiv(h, bn)
     # decode: the last route program of each (token, row block) sums the token's rows
     sums = bm == 1 and t * n_blocks <= SUM_COUNTERS and env.gpu_down_arrive_sum()
+    fold = norm_fold if sums and h <= NORM_FOLD_MAX_H and t <= NORM_FOLD_TOKENS else None
+    norm = _fold_args(fold, x.device) if fold is not None else {}
     _down_kernel[(nb, n_blocks)](
         a, w2, s2, scales, route_ids, block_slot, emap, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
@@ -615,9 +671,25 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
         SUM=sums, count_ptr=counters("down_sum", SUM_COUNTERS, x.device) if sums else None,
         out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
-        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts(),
+        **{k: v for k, v in norm.items() if not k.startswith("_")})
     if not sums:
         _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                        num_warps=4, **pdl.opts())
+    if fold is not None:
+        out = fold_done(out, fold, *norm["_outputs"])
     return out
+
+
+def _fold_args(fold, device) -> dict:
+    """The down kernel's NORM arguments for `fold` (kernels/norm.py NormFold), and under
+    `_outputs` the buffers they write (y, s, codes or None)."""
+    y, s, q = fold_buffers(fold)
+    r = fold.residual
+    q_ = q if q is not None else y
+    return dict(NORM=True, ncount_ptr=counters("down_norm", FOLD_ROWS, device), res_ptr=r,
+                nw_ptr=fold.weight, ny_ptr=y, ns_ptr=s, nq_ptr=q_, stride_nr=r.stride(0),
+                stride_ny=y.stride(0), stride_ns=s.stride(0), stride_nq=q_.stride(0),
+                eps=fold.eps, NQUANT=q is not None,
+                BLOCK_H=triton.next_power_of_2(r.shape[-1]), _outputs=(y, s, q))
 
