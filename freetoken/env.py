@@ -192,6 +192,7 @@ def cache_dir() -> str | None:
 # Read by the C++ executor itself (once per process); listed here so every switch is in one place.
 CPU_MOE_NATIVE_SWITCHES = {
     "FREETOKEN_CPU_MOE_NO_VBMI": "1: use the vpshufb 512-bit kernel, not the vpermb (VBMI) one",
+    "FREETOKEN_CPU_MOE_NO_GFNI": "1: the Q4_K one-token dot without GFNI nibble moves (same bits)",
     "FREETOKEN_CPU_MOE_PIN": "0: do not pin executor threads to CPUs",
     "FREETOKEN_CPU_MOE_SPIN_US": "microseconds an idle worker spins before sleeping (1000)",
     "FREETOKEN_CPU_MOE_SPIN_PAUSE": "one pause instruction every N polls while spinning (0: none)",

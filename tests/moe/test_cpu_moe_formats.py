@@ -135,6 +135,23 @@ def test_gguf_dot_token_alone_same_bits(fmt: str, tier: str):
                 assert torch.equal(alone, together[t]), f"{fmt} {tier} {n}x{K} token {t}"
 
 
+@pytest.mark.skipif("avx512_vnni" not in HOST_TIERS, reason="CPU lacks avx512_vnni")
+def test_q4k_one_token_dot_same_bits_without_gfni(monkeypatch):
+    """The avx512_vnni tier's Q4_K one-token dot with GFNI (nibbles split by one affine byte
+    transform per 32 bytes, where the CPU has it) and without (FREETOKEN_CPU_MOE_NO_GFNI=1: the
+    shift-and-mask kernel CPUs without GFNI run) gives the same bits, at row counts that leave
+    1-3 rows after the groups of 4 and both expert shapes' K."""
+    for n, K in ((302, 2048), (13, 768), (5, 256)):
+        gen = torch.Generator().manual_seed(n * K)
+        w, _ = make_gguf(Q["Q4_K"], gen, K, n)
+        x = torch.randn(1, K, generator=gen)
+        monkeypatch.delenv("FREETOKEN_CPU_MOE_NO_GFNI", raising=False)
+        fast = CpuMoeExecutor(2, isa="avx512_vnni").expert_matmul(w, 1, x)
+        monkeypatch.setenv("FREETOKEN_CPU_MOE_NO_GFNI", "1")
+        plain = CpuMoeExecutor(2, isa="avx512_vnni").expert_matmul(w, 1, x)
+        assert torch.equal(fast, plain), f"{n}x{K}"
+
+
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("K", [32, 736, 2048])
 def test_q8_32_activation_quant_matches_the_rule(tier: str, K: int):
