@@ -159,7 +159,8 @@ CASES.update({
         dict(PAGE=16, N_KV=n_kv, D=d, D_PAD=d, G=8, G_PAD=16, BLOCK_N=block_n, NUM_SPLITS=s,
              HAS_WINDOW=q, HAS_SOFTCAP=q, IEEE=False, MAX_ITERS=0, QUANT=q, MERGE=m,
              S_PAD=max(2, s), PDL=False, ROPE=rope, NORM=rope, PARTIAL=rope and r < d,
-             RH=r // 2 if rope else 0), ("scale", "softcap", "eps"), warps)
+             RH=r // 2 if rope else 0, GROUP=min(4, max(2, s))),  # decode()'s MERGE_GROUP
+        ("scale", "softcap", "eps"), warps)
     for d, n_kv, block_n, warps, r in ((128, 4, 64, 4, 128), (256, 2, 32, 8, 64))
     for s, m, q in ((1, False, False), (1, False, True), (16, True, False), (16, True, True),
                     (16, False, False))
