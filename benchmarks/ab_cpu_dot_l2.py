@@ -13,11 +13,8 @@ median GB/s.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,17 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def child(so_dir: str, formats: list[str], isa: str | None) -> dict:
-    import glob
-    import importlib.util
+    from ab_cpu_moe import use_build
 
-    path = glob.glob(os.path.join(so_dir, "_cpu_moe*.so"))[0]
-    spec = importlib.util.spec_from_file_location("freetoken._cpu_moe", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    import freetoken
-
-    sys.modules["freetoken._cpu_moe"] = mod
-    freetoken._cpu_moe = mod
+    use_build(so_dir)
     from freetoken.moe import cpu_bench as cb
     from freetoken.moe.cpu_executor import CpuMoeExecutor
 
@@ -62,25 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if len(args.variants) < 2:
         ap.error("give at least two variants")
-    from ab_cpu_moe import build
+    from ab_cpu_moe import alternated, build
 
     work = Path(tempfile.mkdtemp(prefix="ab_cpu_dot_l2_"))
     dirs = {v: build(v.split(":")[0], work) for v in args.variants}
-    res: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     extra = ["--formats", args.formats] + (["--isa", args.isa] if args.isa else [])
-    for r in range(args.rounds):
-        for v in args.variants if r % 2 == 0 else args.variants[::-1]:
-            env = dict(os.environ, **dict(e.split("=", 1) for e in v.split(":")[1:]))
-            run = subprocess.run([sys.executable, __file__, "--child", str(dirs[v])] + extra,
-                                 capture_output=True, text=True, env=env)
-            if run.returncode:
-                print(f"{v}: failed\n{run.stderr[-3000:]}")
-                return 1
-            figs = json.loads(run.stdout.strip().splitlines()[-1])
-            for k, g in figs.items():
-                res[k][v].append(g)
-            print(f"round {r} {v}: " + ", ".join(f"{k} {g:.1f}" for k, g in figs.items()),
-                  flush=True)
+    res = alternated(__file__, args.variants, dirs, extra, args.rounds)
+    if res is None:
+        return 1
     width = max(18, *(len(v) + 2 for v in args.variants))
     print("\nGB/s (1 core, L2) best / median".ljust(34)
           + "".join(v.rjust(width) for v in args.variants))

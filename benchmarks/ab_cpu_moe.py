@@ -56,9 +56,9 @@ def build(rev: str, work: Path) -> Path:
     return out
 
 
-def child(so_dir: str, threads: int | None, batches: list[int], budget: int, calls: int,
-          isa: str | None, l2: bool = False) -> dict:
-    """Measurements with the extension in so_dir (loaded as freetoken._cpu_moe)."""
+def use_build(so_dir: str) -> None:
+    """Load the extension built in so_dir as freetoken._cpu_moe (a child process's first
+    step, before anything imports the installed one)."""
     import importlib.util
 
     path = glob.glob(os.path.join(so_dir, "_cpu_moe*.so"))[0]
@@ -69,6 +69,12 @@ def child(so_dir: str, threads: int | None, batches: list[int], budget: int, cal
 
     sys.modules["freetoken._cpu_moe"] = mod
     freetoken._cpu_moe = mod
+
+
+def child(so_dir: str, threads: int | None, batches: list[int], budget: int, calls: int,
+          isa: str | None, l2: bool = False) -> dict:
+    """Measurements with the extension in so_dir (loaded as freetoken._cpu_moe)."""
+    use_build(so_dir)
     import torch
 
     from freetoken.moe import cpu_bench as cb
@@ -118,6 +124,29 @@ def child(so_dir: str, threads: int | None, batches: list[int], budget: int, cal
     return out
 
 
+def alternated(script: str, variants: list[str], dirs: dict, extra: list[str],
+               rounds: int) -> dict | None:
+    """`script --child DIR extra` once per variant per round (its build's directory; the
+    variant's NAME=VALUE switches in its environment), the order reversed every other round;
+    each run prints a JSON {figure: value} last. {figure: {variant: [values]}}, or None after
+    a run that failed (its stderr printed)."""
+    res: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in range(rounds):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            env = dict(os.environ, **dict(e.split("=", 1) for e in v.split(":")[1:]))
+            run = subprocess.run([sys.executable, script, "--child", str(dirs[v])] + extra,
+                                 capture_output=True, text=True, env=env)
+            if run.returncode:
+                print(f"{v}: failed\n{run.stderr[-3000:]}")
+                return None
+            figs = json.loads(run.stdout.strip().splitlines()[-1])
+            for k, g in figs.items():
+                res[k][v].append(g)
+            print(f"round {r} {v}: " + ", ".join(f"{k} {g:.1f}" for k, g in figs.items()),
+                  flush=True)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="*", help="REV[:NAME=VALUE...] or WORKTREE[:...]")
@@ -139,23 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give at least two variants")
     work = Path(tempfile.mkdtemp(prefix="ab_cpu_moe_"))
     dirs = {v: build(v.split(":")[0], work) for v in args.variants}
-    res: dict = collections.defaultdict(lambda: collections.defaultdict(list))
     passthrough = ["--batches", args.batches, "--budget-mib", str(args.budget_mib), "--calls",
                    str(args.calls)] + (["--threads", str(args.threads)] if args.threads else []) \
         + (["--isa", args.isa] if args.isa else []) + (["--l2"] if args.l2 else [])
-    for r in range(args.rounds):
-        for v in args.variants if r % 2 == 0 else args.variants[::-1]:
-            env = dict(os.environ, **dict(e.split("=", 1) for e in v.split(":")[1:]))
-            run = subprocess.run([sys.executable, __file__, "--child", str(dirs[v])] + passthrough,
-                                 capture_output=True, text=True, env=env)
-            if run.returncode:
-                print(f"{v}: failed\n{run.stderr[-3000:]}")
-                return 1
-            figs = json.loads(run.stdout.strip().splitlines()[-1])
-            for k, g in figs.items():
-                res[k][v].append(g)
-            print(f"round {r} {v}: " + ", ".join(f"{k} {g:.1f}" for k, g in figs.items()),
-                  flush=True)
+    res = alternated(__file__, args.variants, dirs, passthrough, args.rounds)
+    if res is None:
+        return 1
     width = max(24, *(len(v) + 2 for v in args.variants))
     print("\nGB/s best / median / worst".ljust(30) + "".join(v.rjust(width) for v in args.variants))
     for k, row in res.items():
