@@ -116,6 +116,7 @@ class NormFold(NamedTuple):
 
 _FOLDED = "_freetoken_norm_folded"
 FOLD_ROWS = 64  # decode: the most rows a fold is offered for (the hand-off's token limit)
+FOLD_MAX_H = 8192  # the widest row: the kernels that fold hold a token's row in one program
 _pending: NormFold | None = None
 
 
@@ -126,8 +127,8 @@ def folding(weight: torch.Tensor, eps: float, quantize: bool, residual: torch.Te
     FREETOKEN_GPU_NORM_FOLD=0)."""
     global _pending
     old = _pending
-    ok = (residual.is_cuda and residual.dim() == 2 and residual.stride(-1) == 1
-          and residual.shape[0] <= FOLD_ROWS and _on_gpu(residual, weight)
+    ok = (_on_gpu(residual, weight) and residual.dim() == 2 and residual.stride(-1) == 1
+          and residual.shape[0] <= FOLD_ROWS and residual.shape[-1] <= FOLD_MAX_H
           and weight.shape == (residual.shape[-1],) and env.gpu_norm_fold())
     _pending = NormFold(residual, weight, float(eps), quantize) if ok else None
     try:
@@ -154,9 +155,8 @@ def fold_buffers(fold: NormFold) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
     r = fold.residual
     y, s = torch.empty_like(r), torch.empty_like(r)
-    quant = fold.quantize and xq.wanted(r) and r.shape[-1] % 32 == 0
     q = (torch.empty((r.shape[0], xq_len(r.shape[-1])), dtype=torch.int32, device=r.device)
-         if quant else None)
+         if fold.quantize and xq.wanted(r) else None)
     return y, s, q
 
 

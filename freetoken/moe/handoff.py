@@ -238,8 +238,7 @@ class Handoff:
         if self.seq is not None:
             from freetoken.kernels.triton.handoff import receive_add
 
-            return receive_add(y, self.seq, self.buf, self.off, self._waits, shared,
-                               fold if shared is None else None)
+            return receive_add(y, self.seq, self.buf, self.off, self._waits, shared, fold)
         if shared is not None:
             raise ValueError("hand-off: the receive adds a shared expert on a GPU only")
         if not self._worker.wait(self._n, WAIT_TIMEOUT_S):

@@ -409,10 +409,9 @@ DOWN_SUM_TOKENS = 8
 # Arrival counters of the decode down kernel's sums (`_arrive_and_sum`): one per token and row
 # block; more than this and the separate sum kernel runs.
 SUM_COUNTERS = 16384
-# The widest row whose next residual step the down kernel's last program computes (one
-# program holds the row, as the RMSNorm kernel's)
-NORM_FOLD_MAX_H = 8192
-# The most tokens at which it does. Measured on the H200 (30B shape, fused, ab_env, tok/s
+# The most tokens at which the down kernel's last programs compute the next residual step
+# (kernels/norm.py: folding; its FOLD_MAX_H bounds the row, one program holding it).
+# Measured on the H200 (30B shape, fused, ab_env, tok/s
 # without -> with, 2026-12-04): Q4_K batch 1 448.5 -> 453.3 and 447.7 -> 452.3, batch 2
 # 592.4 -> 600.4, batch 4 1,026.9 -> 1,033.4, batch 16 2,406.9 -> 2,329.8; NVFP4 batch 1
 # 450.7 -> 457.6, batch 16 2,270.5 -> 2,240.0 (at 16 tokens the per-token tails of the last
@@ -662,8 +661,8 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     n_blocks = triton.cdiv(h, bn)
     # decode: the last route program of each (token, row block) sums the token's rows
     sums = bm == 1 and t * n_blocks <= SUM_COUNTERS and env.gpu_down_arrive_sum()
-    fold = norm_fold if sums and h <= NORM_FOLD_MAX_H and t <= NORM_FOLD_TOKENS else None
-    norm = _fold_args(fold, x.device) if fold is not None else {}
+    fold = norm_fold if sums and t <= NORM_FOLD_TOKENS else None
+    norm, folded = _fold_args(fold, x.device) if fold is not None else ({}, None)
     _down_kernel[(nb, n_blocks)](
         a, w2, s2, scales, route_ids, block_slot, emap, rw, y, r, a.stride(0), w2.stride(0),
         w2.stride(1), s2.stride(0), s2.stride(-2), y.stride(0), K=inter, HIDDEN=h,
@@ -671,19 +670,18 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
         SUM=sums, count_ptr=counters("down_sum", SUM_COUNTERS, x.device) if sums else None,
         out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
-        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts(),
-        **{k: v for k, v in norm.items() if not k.startswith("_")})
+        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **norm)
     if not sums:
         _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                        num_warps=4, **pdl.opts())
     if fold is not None:
-        out = fold_done(out, fold, *norm["_outputs"])
+        out = fold_done(out, fold, *folded)
     return out
 
 
-def _fold_args(fold, device) -> dict:
-    """The down kernel's NORM arguments for `fold` (kernels/norm.py NormFold), and under
-    `_outputs` the buffers they write (y, s, codes or None)."""
+def _fold_args(fold, device) -> tuple[dict, tuple]:
+    """(the down kernel's NORM arguments for `fold` (kernels/norm.py NormFold), the buffers
+    they write: y, s, codes or None)."""
     y, s, q = fold_buffers(fold)
     r = fold.residual
     q_ = q if q is not None else y
@@ -691,5 +689,5 @@ def _fold_args(fold, device) -> dict:
                 nw_ptr=fold.weight, ny_ptr=y, ns_ptr=s, nq_ptr=q_, stride_nr=r.stride(0),
                 stride_ny=y.stride(0), stride_ns=s.stride(0), stride_nq=q_.stride(0),
                 eps=fold.eps, NQUANT=q is not None,
-                BLOCK_H=triton.next_power_of_2(r.shape[-1]), _outputs=(y, s, q))
+                BLOCK_H=triton.next_power_of_2(r.shape[-1])), (y, s, q)
 
