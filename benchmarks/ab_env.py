@@ -31,6 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def _restore(saved: dict[str, str | None]) -> None:
+    """The environment switches back to `saved` (None: unset)."""
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def _setting(text: str) -> tuple[dict[str, str], dict[str, object]]:
     """'A=1,moe_cache_rate=0.25' -> (environment switches, engine fields)."""
     from freetoken.config import EngineConfig
@@ -91,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
     try:
         for r in range(-args.warm_rounds, args.rounds):
             for label, env, fields in parsed:
+                _restore(saved)  # a switch an earlier setting set is not this one's
                 os.environ.update(env)
                 cfg = bench.bench_config(dataclasses.replace(base, **fields), batches,
                                          args.prompt_len, args.tokens, args.warmup, [])
@@ -111,11 +121,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], list[float]]:
                 del runner
                 bench._release()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore(saved)
     width = max(len(s) for s in args.settings)
     print(f"\n{'setting':<{width}} {'batch':>5}   {'median':>8}   tok/s, each round")
     for (label, b), xs in res.items():
