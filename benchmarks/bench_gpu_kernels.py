@@ -2,6 +2,8 @@
 
     python benchmarks/bench_gpu_kernels.py [--formats nvfp4,Q4_K] [--moe-tokens 1,16,512]
         [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
+    python benchmarks/bench_gpu_kernels.py --moe-grouped   # the MoE at 4-16 tokens: per-route
+        # int8 GEMVs against the int8 grouped kernels (moe.GROUPED_TOKENS, GROUP_I8_TILES)
     python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge,
         # and the q/k norm, rotary and KV store in its launch against a launch of their own
 
@@ -177,6 +179,21 @@ def _i8(fmt: str) -> bool:
     return fmt in ("nvfp4", "Q4_K", "Q8_0s") and env.gpu_int8_dot()
 
 
+def _race(choices, run, base: float, base_label: str):
+    """Each choice c timed as run(c) (graph replays, else eager): ([(c, seconds or None, the
+    error's name for a choice that failed)], the fastest (seconds, label), base included)."""
+    rows, best = [], (base, base_label)
+    for c in choices:
+        try:
+            eager, graph = time_call(lambda c=c: run(c))
+        except Exception as ex:  # noqa: BLE001 - a choice that does not apply ends no table
+            rows.append((c, None, type(ex).__name__))
+            continue
+        rows.append((c, graph or eager, None))
+        best = min(best, (graph or eager, str(c)))
+    return rows, best
+
+
 def _try(label: str, fn, nbytes: float, flops: float) -> str:
     try:
         eager, graph = time_call(fn)
@@ -247,6 +264,84 @@ def sweep_split(hbm: float) -> None:
                           2 * m * n * k) for t in tiles]
             print(f"sweep Q8_0s {name} m={m:2d}:\n  " + "\n  ".join(cells), flush=True)
     print(f"(HBM copy {hbm:.0f} GB/s)")
+
+
+# (BN, BK, num_warps) of the int8 GEMV taking several tokens a program (linear._i8_tokens)
+MT_TILES = [(4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 8),
+            (16, 2048, 8), (2, 2048, 2)]
+# the dense decode linears of Qwen3-30B-A3B (qkv, o_proj) and Qwen3.6-35B-A3B's GDN layers
+# (in_proj_qkvz 12288 x 2048, out_proj 2048 x 4096)
+MT_SHAPES = [("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("qkvz", 12288, 2048)]
+
+
+def bench_linear_mt(formats: list[str], tokens: tuple[int, ...] = (2, 4, 8, 16)) -> None:
+    """Dense linears at 2-16 tokens: today's choice (`triton_linear` without tiles: the
+    one-token int8 GEMV once per token, or tl.dot tiles) against the int8 GEMV taking MT
+    tokens a program (tiles (1, BN, BK, warps, MT), MT the tokens' power of two, at most
+    linear.I8_MT_MAX), graph-replayed us and the ratio to today's; the line per shape and
+    token count names the best. Decides linear.I8_MULTI_TOKENS and I8_MULTI_TILES."""
+    import os
+
+    from freetoken.kernels.triton import linear
+    from freetoken.kernels.triton.linear import triton_linear
+
+    os.environ["FREETOKEN_GPU_LINEAR_MT"] = "0"  # today's choice where tiles are not given
+    for fmt in formats:
+        for name, n, k in MT_SHAPES:
+            qw = make_weight(fmt, (n, k))
+            for m in tokens:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                mt = min(linear.I8_MT_MAX, 1 << (m - 1).bit_length())
+                base = time_call(lambda x=x, qw=qw: triton_linear(x, qw))
+                base = base[1] or base[0]
+                rows, best = _race([(1, bn, bk, w, mt) for bn, bk, w in MT_TILES],
+                                   lambda t, x=x, qw=qw: triton_linear(x, qw, t), base, "today")
+                cells = [f"{t[1:4]} failed: {why}" if g is None else
+                         f"{t[1:4]} {g * 1e3:6.1f} us ({base / g:4.2f}x)" for t, g, why in rows]
+                print(f"mt {fmt:6s} {name:6s} {n}x{k} m={m:2d} today {base * 1e3:6.1f} us "
+                      f"({qw.nbytes() / base / 1e6:5.0f} GB/s); best {best[1]} "
+                      f"{best[0] * 1e3:6.1f} us\n  " + "\n  ".join(cells), flush=True)
+
+
+# (BT, BN, num_warps, BK at most) of the fused MoE's int8 grouped kernels timed by --moe-grouped
+# (moe.GROUP_I8_TILES' defaults among them: NVFP4 (2, 16, 4, 512), Q4_K (2, 32, 8, 512)); each
+# one compiles both kernels once, a few seconds
+GROUP_I8_SWEEP = [(2, 16, 4, 512), (4, 16, 4, 512), (2, 32, 8, 512), (4, 32, 8, 256)]
+
+
+def bench_moe_grouped(tokens: tuple[int, ...] = (4, 8, 16), e: int = 128, h: int = 2048,
+                      inter: int = 768, topk: int = 8) -> None:
+    """One MoE layer of Qwen3-30B-A3B's shape (Q4_K and NVFP4 banks, bf16 x quantized by the
+    RMSNorm before it, as at decode) at 4, 8 and 16 tokens: the per-route int8 GEMVs (today's
+    default) against the int8 grouped kernels (`moe_grouped.py`, each expert's rows read once
+    for all of its routes) at GROUP_I8_SWEEP's tiles. us per layer replayed from a CUDA graph,
+    the ratio per-route / grouped (> 1: grouped faster) and the best per line. Decides
+    moe.GROUPED_TOKENS (the token counts where the best ratio is > 1) and GROUP_I8_TILES."""
+    from freetoken import kernels
+    from freetoken.kernels.triton.moe import fused_moe_triton
+
+    print(f"{'format':6s} {'T':>3s} {'experts':>7s} {'per-route us':>12s}  "
+          + "  ".join(f"{str(gt):>20s}" for gt in GROUP_I8_SWEEP) + "   best (BT, BN, warps, BK)")
+    for fmt in ("Q4_K", "nvfp4"):
+        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
+                          torch.rand(e, 4, device="cuda") + 0.5)
+        emap = torch.arange(e, dtype=torch.int32, device="cuda")  # as the cache backends pass
+        nw = torch.rand(h, device="cuda") + 0.5
+        for t in tokens:
+            torch.manual_seed(t)
+            xr = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+            x = kernels.rms_norm(xr, nw, 1e-6, quantize=True)  # the codes attached, as at decode
+            ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+            w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+            call = functools.partial(fused_moe_triton, x, bank, ids, w, "silu", emap)
+            eager, graph = time_call(lambda call=call: call(grouped=False))
+            route = graph or eager
+            rows, best = _race(GROUP_I8_SWEEP, lambda gt, c=call: c(grouped=True, group_tiles=gt),
+                               route, "per-route")
+            cells = [f"{why:>20s}" if g is None else f"{g * 1e3:9.1f} ({route / g:4.2f}x)    "
+                     for _, g, why in rows]
+            print(f"{fmt:6s} {t:3d} {int(torch.unique(ids).numel()):7d} {route * 1e3:12.1f}  "
+                  + "  ".join(cells) + f"   {best[1]} {best[0] * 1e3:.1f} us", flush=True)
 
 
 def bench_dense_gemm(tokens: tuple[int, ...] = (128, 256, 512, 2048)) -> None:
@@ -431,6 +526,13 @@ def main() -> None:
     p.add_argument("--sweep-tokens", default="1,16,512", help="token counts of the sweep")
     p.add_argument("--sweep-moe", default="128,768",
                    help="experts,FFN of the sweep's MoE layer (256,512: Qwen3.6-35B-A3B)")
+    p.add_argument("--linear-mt", default="",
+                   help="only time dense linears at 2-16 tokens: the int8 GEMV taking several "
+                        "tokens a program against today's choice, for these formats "
+                        "(nvfp4,Q4_K,Q8_0s)")
+    p.add_argument("--moe-grouped", action="store_true",
+                   help="only time one MoE layer (30B shape, Q4_K and NVFP4) at 4, 8 and 16 "
+                        "tokens: per-route int8 GEMVs against the int8 grouped kernels")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     p.add_argument("--dense-gemm", action="store_true",
                    help="only time prefill's dense linears: tl.dot tiles against decoded rows "
@@ -456,6 +558,12 @@ def main() -> None:
                      "compiled kernels from CUDA graphs); on the CPU the kernels' tests run "
                      "under Triton's interpreter: pytest tests/kernels/test_triton_attention.py")
         bench_attention(hbm_copy_gbs())
+        return
+    if a.linear_mt:
+        bench_linear_mt(a.linear_mt.split(","))
+        return
+    if a.moe_grouped:
+        bench_moe_grouped()
         return
     if a.router:
         bench_router()

@@ -31,6 +31,21 @@ def _choice(name: str, choices: tuple[str, ...]) -> str | None:
     return v
 
 
+def _int(name: str, lo: int, hi: int | None, why: str) -> int | None:
+    """An integer switch: None when unset or empty, else an int in lo .. hi (hi None: no
+    bound); anything else an error naming the switch (`why` says the range)."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer") from None
+    if n < lo or (hi is not None and n > hi):
+        raise ValueError(f"{name}={v!r}: {why}")
+    return n
+
+
 def cpu_moe_isa() -> str | None:
     """FREETOKEN_CPU_MOE_ISA=scalar|avx2|avx512: cap the CPU MoE kernel tier."""
     return _choice("FREETOKEN_CPU_MOE_ISA", ("scalar", "avx2", "avx512"))
@@ -64,6 +79,15 @@ def gpu_int8_dot() -> bool:
     multiply in fp32 from decoded weights instead of int8 dot products over activations
     quantized per 32 values (`kernels/triton/gemv_i8.py`; llama.cpp's numbers, faster)."""
     return _unless_off("FREETOKEN_GPU_INT8_DOT")
+
+
+def gpu_linear_mt() -> int | None:
+    """FREETOKEN_GPU_LINEAR_MT=N: a dense linear's int8 GEMV takes up to N tokens a program,
+    each weight chunk expanded once for all of them (`kernels/triton/linear.py: _i8_tokens`),
+    for every int8 format (NVFP4, Q4_K, split Q8_0); 0: never (once per token up to
+    `I8_TOKENS`, then tl.dot tiles). Unset: the measured default (`I8_MULTI_TOKENS`). For
+    measuring the choice end to end (benchmarks/ab_env.py)."""
+    return _int("FREETOKEN_GPU_LINEAR_MT", 0, 16, "tokens a program must be 0 (off) to 16")
 
 
 def gpu_norm_route() -> bool:
@@ -165,23 +189,35 @@ def gpu_moe_route_tiles() -> tuple[int, int, int] | None:
     return bn, bk, warps
 
 
+def gpu_moe_grouped() -> tuple[int, int] | None:
+    """FREETOKEN_GPU_MOE_GROUPED=LO-HI (5-16, say): the decode steps of LO to HI tokens at
+    which the fused MoE runs its grouped int8 kernels (routes grouped by expert, each expert's
+    rows read once for all of its routes: `kernels/triton/moe_grouped.py`) instead of one
+    GEMV per route; 0: never, read as the empty span (0, 0). Unset or empty: None, the
+    measured default (`kernels/triton/moe.py: GROUPED_TOKENS`). 1 <= LO <= HI."""
+    name = "FREETOKEN_GPU_MOE_GROUPED"
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if v == "0":
+        return 0, 0
+    try:
+        lo, hi = (int(p) for p in v.split("-"))
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not LO-HI (two token counts: 5-16, say) or 0 "
+                         "(never)") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{name}={v!r}: LO must be 1 or more and HI at least LO")
+    return lo, hi
+
+
 def gpu_attn_merge_splits() -> int | None:
     """FREETOKEN_GPU_ATTN_MERGE_SPLITS=N: decode attention's split-K partials are merged by
     the last split of each (sequence, KV head) to arrive up to N splits, by a launch of
     `_merge_kernel` above (`kernels/triton/attention.py: MERGE_MAX_SPLITS`), for measuring
     the choice end to end (benchmarks/ab_env.py). Unset: the measured default. N from 1 on
     (1: every split count gets the merge launch)."""
-    name = "FREETOKEN_GPU_ATTN_MERGE_SPLITS"
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not an integer") from None
-    if n < 1:
-        raise ValueError(f"{name}={v!r}: the split count must be 1 or more")
-    return n
+    return _int("FREETOKEN_GPU_ATTN_MERGE_SPLITS", 1, None, "the split count must be 1 or more")
 
 
 def cache_dir() -> str | None:

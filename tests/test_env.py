@@ -75,6 +75,21 @@ def test_moe_route_tiles(monkeypatch):
             env.gpu_moe_route_tiles()
 
 
+def test_linear_mt(monkeypatch):
+    """FREETOKEN_GPU_LINEAR_MT=N: an integer 0-16, else an error naming it."""
+    name = "FREETOKEN_GPU_LINEAR_MT"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_linear_mt() is None
+    for v, n in ((" 8 ", 8), ("0", 0), ("16", 16)):
+        monkeypatch.setenv(name, v)
+        assert env.gpu_linear_mt() == n
+    for bad, why in (("17", "0 \\(off\\) to 16"), ("-1", "0 \\(off\\) to 16"),
+                     ("all", "not an integer")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=why):
+            env.gpu_linear_mt()
+
+
 def test_attn_merge_splits(monkeypatch):
     """FREETOKEN_GPU_ATTN_MERGE_SPLITS=N: an integer from 1 on, else an error naming it."""
     name = "FREETOKEN_GPU_ATTN_MERGE_SPLITS"
@@ -87,3 +102,20 @@ def test_attn_merge_splits(monkeypatch):
         with pytest.raises(ValueError, match=why):
             env.gpu_attn_merge_splits()
 
+
+
+def test_moe_grouped(monkeypatch):
+    """FREETOKEN_GPU_MOE_GROUPED=LO-HI: a span of token counts; 0 the empty span (0, 0);
+    unset None (the module default); anything else an error naming it (which tokens it
+    selects: tests/kernels/test_triton_moe_grouped.py)."""
+    name = "FREETOKEN_GPU_MOE_GROUPED"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_moe_grouped() is None
+    for value, span in ((" 5-16 ", (5, 16)), ("4-4", (4, 4)), ("0", (0, 0)), ("", None)):
+        monkeypatch.setenv(name, value)
+        assert env.gpu_moe_grouped() == span, value
+    for bad, why in (("16-5", "HI at least LO"), ("0-4", "LO must be 1"), ("5", "not LO-HI"),
+                     ("a-b", "not LO-HI"), ("5-8-9", "not LO-HI")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=why):
+            env.gpu_moe_grouped()

@@ -239,6 +239,38 @@ def test_linear_reads_the_attached_codes(fmt):
         assert torch.equal(triton_linear(y, qd, tiles).cpu(), triton_linear(plain, qd, tiles).cpu())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_several_tokens_a_program_same_bits(fmt, monkeypatch):
+    """The int8 GEMV taking MT tokens a program (`linear._i8_tokens`: each weight chunk
+    expanded once, dotted with every token's codes) computes each token's bits of the
+    one-token GEMV: the same integer dot sums, block and chunk order. 5 tokens as one program
+    of 8 (3 padded rows, not stored) and as two of 4, quantizing for itself and reading the
+    norm's codes; and by default once I8_MULTI_TOKENS names the format, or
+    FREETOKEN_GPU_LINEAR_MT=N says so for every int8 format (0: never)."""
+    from freetoken.kernels.triton import linear
+
+    qd, _ = _weight(fmt, 23 + len(fmt))
+    bk = 256 if not CUDA else 2048
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    y, _ = _norm_quantized(x)
+    want = torch.cat([triton_linear(y[i:i + 1].clone(), qd, (1, 8, bk, 4))
+                      for i in range(5)]).cpu()
+    for src in (y, y.clone()):  # with the norm's codes, and quantizing in the kernel
+        for mt in (8, 4):
+            assert torch.equal(triton_linear(src, qd, (1, 8, bk, 4, mt)).cpu(), want), (mt, src)
+    fid = linear.format_id(qd)
+    monkeypatch.setattr(linear, "I8_MULTI_TOKENS", {fid: 8})
+    monkeypatch.setattr(linear, "I8_MULTI_TILES", {fid: (8, bk, 4)})
+    assert linear._i8_blocks(5, N, K, fid) == (1, 8, bk, 4, 8)
+    assert torch.equal(triton_linear(y.clone(), qd).cpu(), want)
+    monkeypatch.setenv("FREETOKEN_GPU_LINEAR_MT", "0")
+    assert linear._i8_blocks(5, N, K, fid) is None  # above I8_TOKENS: tl.dot tiles
+    monkeypatch.setenv("FREETOKEN_GPU_LINEAR_MT", "4")
+    monkeypatch.setattr(linear, "I8_MULTI_TOKENS", {})
+    assert linear._i8_blocks(3, N, K, fid) == (1, 8, bk, 4, 4)
+    assert torch.equal(triton_linear(y[:3].clone(), qd).cpu(), want[:3])
+
+
 @pytest.mark.parametrize("f13", ["nvfp4", "Q4_K"])
 def test_fused_moe_reads_the_attached_codes(f13):
     """The fused MoE's gate/up at decode sizes reads the attached codes: the same bits as

@@ -143,6 +143,19 @@ CASES.update({
     for f in (1, 13) for m in (0, 1, 2)
 })
 
+# the dense linear's int8 GEMV taking several tokens a program (`linear._i8_tokens`): NVFP4 and
+# split Q8_0 qkv (K 2048) at 4 and 8 tokens, quantizing in the kernel and reading the codes,
+# with `linear.I8_MULTI_TILES`' tiles
+CASES.update({
+    f"qmm-i8-fmt{f}-mt{mt}-xq{xq}": (
+        "freetoken.kernels.triton.linear", "_qmm_kernel",
+        {"x_ptr": "*i32" if xq else _BF, "w_ptr": "*u8", "s_ptr": "*u8" if f == 1 else "*fp16",
+         "scale2_ptr": "*fp32", "out_ptr": _BF},
+        dict(K=2048, FMT=f, SCALE2=0, DOT=1, BM=1, BN=bn, BK=2048, FAST=False, I8=True,
+             ASM=True, XQ=xq, PDL=False, MT=mt), (), warps)
+    for f, bn, warps in ((1, 16, 8), (18, 8, 4)) for mt in (4, 8) for xq in (False, True)
+})
+
 # decode attention (`attention.decode`) with the heads of Qwen3-30B-A3B (d 128, 4 KV heads)
 # and Qwen3.6-35B-A3B (d 256, 2 KV heads), G = 8: one split, split-K merged by the last split to
 # arrive, split-K for the merge kernel; the cases with the output's codes also with a window

@@ -39,3 +39,22 @@ def last_to_arrive(counter, group):
     if last:
         tl.store(counter, 0)
     return last
+
+
+@triton.jit
+def sum_when_last(y_ptr, out_ptr, count_ptr, t, rn, n_ok, stride_ym, stride_om,
+                  TOPK: tl.constexpr):
+    """The fused MoE's decode sum: a program that stored route rows of token t for the row
+    block rn counts itself in the token's counter for this block (one per token and
+    program_id(1)); the last of the token's TOPK to arrive adds the token's rows of y in
+    route order in fp32, as `moe._sum_routes_kernel` does, into out in its dtype. Returns
+    whether this program was that one."""
+    last = last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), TOPK)
+    if last:
+        acc = tl.zeros(rn.shape, dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * stride_ym + rn, mask=n_ok,
+                           other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
+        tl.store(out_ptr + t.to(tl.int64) * stride_om + rn,
+                 acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    return last

@@ -128,6 +128,50 @@ def _e2m1_dot(w, xa, xb, na, nb, ASM: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_expand(w, ASM: tl.constexpr):
+    """The word's 8 E2M1 codes as `_e2m1_dot` expands them, kept for several dots: four words
+    of int8 magnitudes (E2M1 doubled), k 0-3's positive codes (0 where negative), k 0-3's
+    negative codes (0 where positive), k 4-7's alike; `_e2m1_dot`'s sum is dp4a of them
+    against x, -x, x, -x."""
+    if ASM:  # the prmt of `_e2m1_dot`, its results kept
+        p0, q0, p1, q1 = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, s, h;
+            mov.b32 t0, 0x03020100;
+            mov.b32 t1, 0x0C080604;
+            prmt.b32 $0, t0, t1, $4;
+            xor.b32 s, $4, 0x8888;
+            prmt.b32 $1, t0, t1, s;
+            shr.u32 h, $4, 16;
+            prmt.b32 $2, t0, t1, h;
+            xor.b32 s, h, 0x8888;
+            prmt.b32 $3, t0, t1, s;
+            }""",
+            "=r,=r,=r,=r,r", [w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+            is_pure=True, pack=1)
+    else:
+        p0 = _e2m1_mags(w, False)
+        q0 = _e2m1_mags(w, True)
+        p1 = _e2m1_mags(w >> 16, False)
+        q1 = _e2m1_mags(w >> 16, True)
+    return p0, q0, p1, q1
+
+
+@triton.jit
+def _e2m1_mags(w, NEG: tl.constexpr):
+    """Bytes 0-3: the magnitude (doubled) of E2M1 code i in bits 4i .. 4i + 3 of w where its
+    sign is NEG, else 0 (prmt's selection, in integer arithmetic)."""
+    r = _e2m1_mag(w, 0, NEG) | _e2m1_mag(w, 1, NEG)
+    return r | _e2m1_mag(w, 2, NEG) | _e2m1_mag(w, 3, NEG)
+
+
+@triton.jit
+def _e2m1_mag(w, i: tl.constexpr, NEG: tl.constexpr):
+    c = (w >> (4 * i)) & 15
+    return tl.where((c >= 8) == NEG, _e2m1x2_int(c & 7), 0) << (8 * i)
+
+
+@triton.jit
 def _e4m3_div256(b):
     """E4M3 (fn) byte -> its value times 2^-8, through the f16 bit pattern (the exponent field
     moves as it is: biases 7 and 15 differ by 8; subnormals map to subnormals); NaN for
@@ -182,17 +226,37 @@ def quant_store(xf, out_row, n0, ok, D):
     program), decode attention (the query heads of one KV head)."""
     R: tl.constexpr = xf.shape[0]
     C: tl.constexpr = xf.shape[1]
-    words, d, sums, neg = _quant(tl.reshape(xf, (R * C,)), R * C, True)
     i = tl.arange(0, R)[:, None]
     w = n0 // 4 + i * (C // 4) + tl.arange(0, C // 4)[None, :]
     g = n0 // 32 + i * (C // 32) + tl.arange(0, C // 32)[None, :]
+    _store_codes(xf, out_row, w, g, ok, D)
+
+
+@triton.jit
+def quant_store_rows(xf, out_rows, n0, ok, D):
+    """`quant_store` for a tile whose rows go to different rows of codes: row i of xf (fp32
+    [R, C], C a multiple of 32) holds values n0 .. n0 + C of the row at out_rows[i] ([R]
+    pointers; the grouped MoE's gate/up: one row per route of its group)."""
+    C: tl.constexpr = xf.shape[1]
+    w = n0 // 4 + tl.arange(0, C // 4)[None, :]
+    g = n0 // 32 + tl.arange(0, C // 32)[None, :]
+    _store_codes(xf, out_rows[:, None], w, g, ok, D)
+
+
+@triton.jit
+def _store_codes(xf, out, w, g, ok, D):
+    """xf [R, C] quantized, its code words stored at out + w ([R, C / 4] offsets in the
+    `xq_len(D)` layout) and its blocks' scales and sums at out + g ([R, C / 32])."""
+    R: tl.constexpr = xf.shape[0]
+    C: tl.constexpr = xf.shape[1]
+    words, d, sums, neg = _quant(tl.reshape(xf, (R * C,)), R * C, True)
     mw = ok[:, None] & (w < D // 4)
     mg = ok[:, None] & (g < D // 32)
-    tl.store(out_row + w, tl.reshape(words, (R, C // 4)), mask=mw)
-    tl.store(out_row + D // 4 + w, tl.reshape(neg, (R, C // 4)), mask=mw)
-    tl.store(out_row + D // 2 + g, tl.reshape(d.to(tl.int32, bitcast=True), (R, C // 32)),
+    tl.store(out + w, tl.reshape(words, (R, C // 4)), mask=mw)
+    tl.store(out + D // 4 + w, tl.reshape(neg, (R, C // 4)), mask=mw)
+    tl.store(out + D // 2 + g, tl.reshape(d.to(tl.int32, bitcast=True), (R, C // 32)),
              mask=mg)
-    tl.store(out_row + D // 2 + D // 32 + g, tl.reshape(sums, (R, C // 32)), mask=mg)
+    tl.store(out + D // 2 + D // 32 + g, tl.reshape(sums, (R, C // 32)), mask=mg)
 
 
 @triton.jit
@@ -209,19 +273,38 @@ def load_xq(xq_row, k0, K: tl.constexpr, BK: tl.constexpr, NEG: tl.constexpr = F
     return words, d, sums, neg
 
 
-# -- one format each: fp32 [BN] partial sums over k0 .. k0 + BK ---------------------------------
+# -- one format each: a chunk's weight words, loaded and expanded once (`_*_w`), then dotted
+# with one activation chunk (`_*_dot`): fp32 [BN] partial sums over k0 .. k0 + BK -------------
 @triton.jit
-def _nvfp4_i8(w_rows, s_rows, xw, xd, xn, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
-    BN: tl.constexpr = w_rows.shape[0]
+def _nvfp4_w(w_rows, s_rows, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr,
+             EXPAND: tl.constexpr):
+    """(words [BN, BK / 8], or with EXPAND their `_e2m1_expand`; block scales [BN, BK / 16]
+    times 2^-8)."""
     w32 = w_rows.to(tl.pointer_type(tl.int32))  # a row's K / 2 bytes: K / 8 words
     w = tl.load(w32 + k0 // 8 + tl.arange(0, BK // 8)[None, :], mask=n_ok[:, None], other=0)
-    xa, xb = tl.split(tl.reshape(xw, (BK // 8, 2)))  # words 2j, 2j + 1: weight word j's k
-    na, nb = tl.split(tl.reshape(xn, (BK // 8, 2)))
-    dots = _e2m1_dot(w, xa[None, :], xb[None, :], na[None, :], nb[None, :], ASM)  # [BN, BK/8]
-    blk = tl.sum(tl.reshape(dots, (BN, BK // 16, 2)), axis=2).to(tl.float32)
     s = tl.load(s_rows + k0 // 16 + tl.arange(0, BK // 16)[None, :], mask=n_ok[:, None],
                 other=0).to(tl.int32)
-    part = tl.sum(tl.reshape(blk * _e4m3_div256(s), (BN, BK // 32, 2)), axis=2)
+    if EXPAND:
+        w = _e2m1_expand(w, ASM)
+    return w, _e4m3_div256(s)
+
+
+@triton.jit
+def _nvfp4_dot(wq, xw, xd, xn, BK: tl.constexpr, ASM: tl.constexpr, EXPANDED: tl.constexpr):
+    w, sc = wq
+    BN: tl.constexpr = sc.shape[0]
+    xa, xb = tl.split(tl.reshape(xw, (BK // 8, 2)))  # words 2j, 2j + 1: weight word j's k
+    na, nb = tl.split(tl.reshape(xn, (BK // 8, 2)))
+    if EXPANDED:  # four dp4a on the magnitudes (the integer sum `_e2m1_dot` computes)
+        p0, q0, p1, q1 = w
+        dots = _dp4a(p0, xa[None, :], 0, ASM)
+        dots = _dp4a(q0, na[None, :], dots, ASM)
+        dots = _dp4a(p1, xb[None, :], dots, ASM)
+        dots = _dp4a(q1, nb[None, :], dots, ASM)
+    else:
+        dots = _e2m1_dot(w, xa[None, :], xb[None, :], na[None, :], nb[None, :], ASM)
+    blk = tl.sum(tl.reshape(dots, (BN, BK // 16, 2)), axis=2).to(tl.float32)  # [BN, BK / 16]
+    part = tl.sum(tl.reshape(blk * sc, (BN, BK // 32, 2)), axis=2)
     # 2^8 / 2 undoes the scales' 2^-8 and the doubled codes (exact)
     return tl.sum(part * xd[None, :], axis=1) * 128.0
 
@@ -236,14 +319,16 @@ def _byte_pair(lo4, hi4, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
+def _q4_k_w(w_rows, k0, n_ok, BK: tl.constexpr):
     """Super-block s of a chunk: 144 bytes (d, dmin, 12 scale bytes, 128 code bytes); code
     word 8g + l (g < 4, l < 8) holds k = 64g + 4l .. + 3 (low nibbles, sub-block 2g) and the
     same + 32 (high, sub-block 2g + 1). The 16-byte head is read as four words, one vector
     load (144-byte blocks keep it 16-byte aligned), and the 6-bit scales and mins are cut
     from the words four at a time (llama.cpp's `get_scale_min_k4` on whole words): sub-blocks
     0-3 are bytes of w1 (scales) and w2 (mins) & 63; sub-blocks 4-7 take their low four bits
-    from w3 and their top two from bits 6-7 of w1 / w2's bytes."""
+    from w3 and their top two from bits 6-7 of w1 / w2's bytes. Returns the low and high
+    nibbles' codes [BN, S, 32], the scales and mins of sub-blocks 2g and 2g + 1 (fp32
+    [BN, S, 4] each) and d, dmin [BN, S]."""
     BN: tl.constexpr = w_rows.shape[0]
     S: tl.constexpr = BK // 256
     blk = (w_rows + (k0 // 256 + tl.arange(0, S))[None, :] * 144).to(tl.pointer_type(tl.int32))
@@ -254,38 +339,52 @@ def _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
     h02, h13 = tl.split(tl.reshape(head, (BN, S, 2, 2)))
     w0, w2 = tl.split(h02)
     w1, w3 = tl.split(h13)
-    x4 = tl.permute(tl.reshape(xw, (S, 4, 2, 8)), (0, 1, 3, 2))  # [S, g, l, half]
-    x_lo, x_hi = tl.split(x4)  # [S, 4, 8]
-    d_lo = _dp4a(q & 0x0F0F0F0F, tl.reshape(x_lo, (S, 32))[None], 0, ASM)
-    d_hi = _dp4a((q >> 4) & 0x0F0F0F0F, tl.reshape(x_hi, (S, 32))[None], 0, ASM)
-    i_lo = tl.sum(tl.reshape(d_lo, (BN, S, 4, 8)), axis=3).to(tl.float32)  # [BN, S, 4]
-    i_hi = tl.sum(tl.reshape(d_hi, (BN, S, 4, 8)), axis=3).to(tl.float32)
-    xd_lo, xd_hi = tl.split(tl.reshape(xd, (S, 4, 2)))  # [S, 4]: sub-blocks 2g, 2g + 1
-    xs_lo, xs_hi = tl.split(tl.reshape(xs, (S, 4, 2)))
     sc4 = w1 & 0x3F3F3F3F  # [BN, S]: sub-blocks 0-3's scales, a byte each
     sc8 = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)  # 4-7
     mn4 = w2 & 0x3F3F3F3F
     mn8 = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
-    sums = tl.sum(_byte_pair(sc4, sc8, False).to(tl.float32) * (i_lo * xd_lo[None])
-                  + _byte_pair(sc4, sc8, True).to(tl.float32) * (i_hi * xd_hi[None]),
-                  axis=2)  # [BN, S]
-    mins = tl.sum(_byte_pair(mn4, mn8, False).to(tl.float32)
-                  * (xs_lo.to(tl.float32) * xd_lo)[None]
-                  + _byte_pair(mn4, mn8, True).to(tl.float32)
-                  * (xs_hi.to(tl.float32) * xd_hi)[None], axis=2)
-    return tl.sum(_f16_bits(w0 & 0xFFFF) * sums - _f16_bits((w0 >> 16) & 0xFFFF) * mins,
-                  axis=1)
+    return (q & 0x0F0F0F0F, (q >> 4) & 0x0F0F0F0F,
+            _byte_pair(sc4, sc8, False).to(tl.float32), _byte_pair(sc4, sc8, True).to(tl.float32),
+            _byte_pair(mn4, mn8, False).to(tl.float32), _byte_pair(mn4, mn8, True).to(tl.float32),
+            _f16_bits(w0 & 0xFFFF), _f16_bits((w0 >> 16) & 0xFFFF))
 
 
 @triton.jit
-def _q8_0_split_i8(w_rows, s_rows, xw, xd, k0, n_ok, BK: tl.constexpr, ASM: tl.constexpr):
-    BN: tl.constexpr = w_rows.shape[0]
+def _q4_k_dot(wq, xw, xd, xs, BK: tl.constexpr, ASM: tl.constexpr):
+    """The mins use the activation block's integer sum (xs)."""
+    lo, hi, sc_lo, sc_hi, mn_lo, mn_hi, d, dmin = wq
+    BN: tl.constexpr = lo.shape[0]
+    S: tl.constexpr = BK // 256
+    x4 = tl.permute(tl.reshape(xw, (S, 4, 2, 8)), (0, 1, 3, 2))  # [S, g, l, half]
+    x_lo, x_hi = tl.split(x4)  # [S, 4, 8]
+    d_lo = _dp4a(lo, tl.reshape(x_lo, (S, 32))[None], 0, ASM)
+    d_hi = _dp4a(hi, tl.reshape(x_hi, (S, 32))[None], 0, ASM)
+    i_lo = tl.sum(tl.reshape(d_lo, (BN, S, 4, 8)), axis=3).to(tl.float32)  # [BN, S, 4]
+    i_hi = tl.sum(tl.reshape(d_hi, (BN, S, 4, 8)), axis=3).to(tl.float32)
+    xd_lo, xd_hi = tl.split(tl.reshape(xd, (S, 4, 2)))  # [S, 4]: sub-blocks 2g, 2g + 1
+    xs_lo, xs_hi = tl.split(tl.reshape(xs, (S, 4, 2)))
+    sums = tl.sum(sc_lo * (i_lo * xd_lo[None]) + sc_hi * (i_hi * xd_hi[None]), axis=2)
+    mins = tl.sum(mn_lo * (xs_lo.to(tl.float32) * xd_lo)[None]
+                  + mn_hi * (xs_hi.to(tl.float32) * xd_hi)[None], axis=2)  # [BN, S]
+    return tl.sum(d * sums - dmin * mins, axis=1)
+
+
+@triton.jit
+def _q8_0_split_w(w_rows, s_rows, k0, n_ok, BK: tl.constexpr):
+    """(codes [BN, BK / 4] words: the int8 values as they are, block scales [BN, BK / 32])."""
     w32 = w_rows.to(tl.pointer_type(tl.int32))  # a row's K int8 codes: K / 4 words
     w = tl.load(w32 + k0 // 4 + tl.arange(0, BK // 4)[None, :], mask=n_ok[:, None], other=0)
-    dots = _dp4a(w, xw[None, :], 0, ASM)
-    blk = tl.sum(tl.reshape(dots, (BN, BK // 32, 8)), axis=2).to(tl.float32)
     d = tl.load(s_rows + k0 // 32 + tl.arange(0, BK // 32)[None, :], mask=n_ok[:, None],
                 other=0.0).to(tl.float32)
+    return w, d
+
+
+@triton.jit
+def _q8_0_split_dot(wq, xw, xd, BK: tl.constexpr, ASM: tl.constexpr):
+    w, d = wq
+    BN: tl.constexpr = w.shape[0]
+    dots = _dp4a(w, xw[None, :], 0, ASM)
+    blk = tl.sum(tl.reshape(dots, (BN, BK // 32, 8)), axis=2).to(tl.float32)
     return tl.sum(blk * d * xd[None, :], axis=1)
 
 
@@ -317,11 +416,38 @@ def gemv_i8_block(FMT: tl.constexpr, w_rows, s_rows, xq, k0, n_ok, BK: tl.conste
                   ASM: tl.constexpr):
     """fp32 [BLOCK_N]: sum over k0 <= k < k0 + BK of W[n, k] x[k], `xq` what
     `quant_x(x_row, k0, BK, FMT == 1)` returns."""
+    return i8_dot(FMT, i8_weights(FMT, w_rows, s_rows, k0, n_ok, BK, ASM), xq, BK, ASM)
+
+
+@triton.jit
+def i8_weights(FMT: tl.constexpr, w_rows, s_rows, k0, n_ok, BK: tl.constexpr,
+               ASM: tl.constexpr, EXPAND: tl.constexpr = False):
+    """The weight rows' chunk k0 .. k0 + BK (rows where n_ok), loaded and expanded for
+    `i8_dot`, which may dot it with several activation chunks (the grouped MoE: one expert's
+    rows, the tokens of its routes): Q4_K's nibbles masked apart and its 6-bit scales and
+    mins cut out, the block scales converted; NVFP4's codes with EXPAND become int8
+    magnitudes (`_e2m1_expand`), else the fused prmt + dp4a of `_e2m1_dot` expands them in
+    the dot (one dot: the fewest operations)."""
+    if FMT == 1:
+        wq = _nvfp4_w(w_rows, s_rows, k0, n_ok, BK, ASM, EXPAND)
+    elif FMT == 13:
+        wq = _q4_k_w(w_rows, k0, n_ok, BK)
+    else:
+        wq = _q8_0_split_w(w_rows, s_rows, k0, n_ok, BK)
+    return wq
+
+
+@triton.jit
+def i8_dot(FMT: tl.constexpr, wq, xq, BK: tl.constexpr, ASM: tl.constexpr,
+           EXPANDED: tl.constexpr = False):
+    """fp32 [BLOCK_N]: the chunk's dot products of `i8_weights`' rows (EXPANDED as it was
+    asked) with one activation chunk `xq` (what `quant_x(x_row, k0, BK, FMT == 1)` returns):
+    integer dp4a sums per block, the block scales in fp32."""
     xw, xd, xs, xn = xq
     if FMT == 1:
-        acc = _nvfp4_i8(w_rows, s_rows, xw, xd, xn, k0, n_ok, BK, ASM)
+        acc = _nvfp4_dot(wq, xw, xd, xn, BK, ASM, EXPANDED)
     elif FMT == 13:
-        acc = _q4_k_i8(w_rows, xw, xd, xs, k0, n_ok, BK, ASM)
+        acc = _q4_k_dot(wq, xw, xd, xs, BK, ASM)
     else:
-        acc = _q8_0_split_i8(w_rows, s_rows, xw, xd, k0, n_ok, BK, ASM)
+        acc = _q8_0_split_dot(wq, xw, xd, BK, ASM)
     return acc

@@ -18,17 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken import env
 from freetoken.formats.qweight import QuantWeight
 from freetoken.kernels import xq
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.formats import F_Q8_0_SPLIT, format_id
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
 from freetoken.kernels.triton.gemv_i8 import (
+    I8_FORMATS,
     asm,
     gemv_i8_row,
     i8_chunk,
     i8_chunk_ok,
+    i8_dot,
+    i8_weights,
     use_i8,
+    x_chunk,
     xq_len,
 )
 from freetoken.kernels.triton.pdl import prefetch_l2, wait
@@ -62,13 +67,35 @@ def _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT: tl.constexpr):
 
 
 @triton.jit
+def _i8_tokens(FMT: tl.constexpr, w_rows, s_rows, x_ptr, stride_xm, t0, M, n_ok,
+               K: tl.constexpr, BK: tl.constexpr, MT: tl.constexpr, ASM: tl.constexpr,
+               XQ: tl.constexpr):
+    """fp32 [MT, BN]: the int8 GEMV of tokens t0 .. t0 + MT (rows past M repeat row M - 1,
+    not to be stored) against the same weight rows, each chunk's weight words loaded and
+    expanded once (`i8_weights`) and dotted with every token's codes (`i8_dot`): per token
+    the products, block sums and chunk order of `gemv_i8_row`, so the same bits."""
+    BN: tl.constexpr = w_rows.shape[0]
+    tt = tl.arange(0, MT)[:, None]
+    acc = tl.zeros((MT, BN), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        wq = i8_weights(FMT, w_rows, s_rows, k0, n_ok, BK, ASM, True)
+        for j in tl.static_range(MT):
+            row = x_ptr + tl.minimum(t0 + j, M - 1).to(tl.int64) * stride_xm
+            part = i8_dot(FMT, wq, x_chunk(row, k0, K, BK, FMT == 1, XQ), BK, ASM, True)
+            acc = tl.where(tt == j, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
                 stride_xm, stride_wn, stride_sn, stride_om, K: tl.constexpr,
                 FMT: tl.constexpr, SCALE2: tl.constexpr, DOT: tl.constexpr,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr,
                 I8: tl.constexpr, ASM: tl.constexpr, XQ: tl.constexpr = False,
-                PDL: tl.constexpr = False):
-    """XQ: x_ptr / stride_xm are the rows quantized ahead (`kernels.xq`), int8 GEMV only."""
+                PDL: tl.constexpr = False, MT: tl.constexpr = 1):
+    """XQ: x_ptr / stride_xm are the rows quantized ahead (`kernels.xq`), int8 GEMV only.
+    MT > 1 (int8 GEMV, BM = 1): a program takes MT tokens (`_i8_tokens`), grid (M / MT, N /
+    BN), the weight rows read and expanded once for all of them."""
     pid_m = tl.program_id(0)  # tokens vary fastest: programs that share rows run together
     pid_n = tl.program_id(1)
     if BM == 1:  # decode with PDL: the weight rows on their way while the kernel before ends
@@ -76,13 +103,16 @@ def _qmm_kernel(x_ptr, w_ptr, s_ptr, scale2_ptr, out_ptr, M, N,
         prefetch_l2(w_ptr + pid_n.to(tl.int64) * BN * stride_wn,
                     rows * stride_wn * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), PDL)
     wait(PDL)  # pdl.py: the kernel before has completed
-    rm = pid_m * BM + tl.arange(0, BM)
+    rm = pid_m * BM * MT + tl.arange(0, BM * MT)
     rn = pid_n * BN + tl.arange(0, BN)
     n_ok = rn < N
     w_rows, s_rows = _row_ptrs(w_ptr, s_ptr, rn, stride_wn, stride_sn, FMT)
     x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if BM == 1 and I8:  # decode in int8 dots (gemv_i8.py)
+    acc = tl.zeros((BM * MT, BN), dtype=tl.float32)
+    if MT > 1:  # several tokens, int8 (the launcher's choice)
+        acc = _i8_tokens(FMT, w_rows, s_rows, x_ptr, stride_xm, pid_m * MT, M, n_ok, K, BK, MT,
+                         ASM, XQ)
+    elif BM == 1 and I8:  # decode in int8 dots (gemv_i8.py)
         x_row = x_ptr + pid_m * stride_xm
         acc += gemv_i8_row(FMT, w_rows, s_rows, x_row, n_ok, K, BK, ASM, XQ)[None, :]
     elif BM == 1:  # decode: K is a multiple of BK (the launcher's gemv_bk)
@@ -177,9 +207,32 @@ def xq_rows(x: torch.Tensor, m: int, k: int) -> torch.Tensor | None:
 # and 19.4 against 25.8 (its int8 expansion costs more per byte: four tokens, four times the
 # one-token time).
 I8_TOKENS = {1: 4, 13: 4, 18: 1}
+# Tokens up to which the int8 GEMV takes several tokens a program instead (`_i8_tokens`: each
+# weight chunk loaded and expanded once, dotted with every token's codes; the one-token
+# kernel once per token pays NVFP4's expansion per token, and split Q8_0's tl.dot tiles decode
+# every tile), per format, and the tiles (BN, BK at most, num_warps) it runs with;
+# FREETOKEN_GPU_LINEAR_MT=N sets the tokens for every int8 format (0: off). Measured on the
+# H200 (2026-12-04): NVFP4 qkv 5120x2048 (bench_gpu_kernels.py --linear-mt nvfp4) at 2 / 4 / 8
+# / 16 tokens 5.8 / 10.1 / 31.9 / 29.6 us -> 5.7 / 8.9 / 16.2 / 32.1 with 16 rows, 2048-wide
+# chunks, 8 warps; end to end (ab_env.py, 30B Q4_K fused: its dense linears are split Q8_0,
+# 8 rows, 4 warps), tok/s without -> up to 4 / up to 8 tokens a program: batch 2 597.0 ->
+# 754.5 / 754.1, 4 1,032.3 -> 1,191.6 / 1,190.9, 8 1,607.7 -> 1,608.5 / 1,651.7, 16
+# 2,328.0 (tl.dot tiles either way); up to 16 (other tiles) lost at 16 tokens: 2,342.5 ->
+# 2,055.6. Q4_K dense weights (not in the dummy models) are not measured: once per token.
+I8_MULTI_TOKENS = {1: 8, 18: 8}
+I8_MULTI_TILES = {1: (16, 2048, 8), 13: (8, 2048, 4), 18: (8, 2048, 4)}
+# Tokens a program takes at most (the tokens' dots are unrolled: code size grows with it).
+I8_MT_MAX = 16
 
 
-def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, int, int, int] | None:
+def _i8_multi(fmt: int) -> int:
+    """Tokens up to which `_i8_tokens` runs for this int8 format (0: never):
+    FREETOKEN_GPU_LINEAR_MT where set, else I8_MULTI_TOKENS."""
+    n = env.gpu_linear_mt()
+    return I8_MULTI_TOKENS.get(fmt, 0) if n is None else (n if fmt in I8_FORMATS else 0)
+
+
+def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, ...] | None:
     """(1, BN, BK, num_warps) of the int8 GEMV, or None where K does not split into its
     chunks. Measured on the H200 at one token (bench_gpu_kernels.py --sweep nvfp4,Q4_K
     --sweep-tokens 1, chunks unrolled): 8 rows, chunks up to 2048, 4 warps: NVFP4 qkv
@@ -187,6 +240,12 @@ def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, int, int, int] | 
     and 5.3. Four tokens of Q4_K: 2 rows, one warp (more programs; the rows' bytes stay in L2
     for the next token). The lm_head (151936 rows) 16 rows in 512-wide chunks (Q8_0: 78.5 us,
     4.2 TB/s)."""
+    if 1 < m <= _i8_multi(fmt):
+        bn, want, warps = I8_MULTI_TILES[fmt]
+        bk = i8_chunk(fmt, k, want)
+        return None if bk is None else (1, bn, bk, warps, min(I8_MT_MAX, 1 << (m - 1).bit_length()))
+    if m > I8_TOKENS.get(fmt, 0):
+        return None
     bk = i8_chunk(fmt, k, 2048)
     if bk is None:
         return None
@@ -309,11 +368,18 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
-    i8 = m <= I8_TOKENS.get(fmt, 0) and use_i8(fmt, x.dtype)
+    mt = tiles[4] if tiles is not None and len(tiles) > 4 else 1
+    # the int8 GEMV: up to I8_TOKENS once per token, up to I8_MULTI_TOKENS several a program
+    i8 = (mt > 1 or m <= I8_TOKENS.get(fmt, 0) or (tiles is None and m <= _i8_multi(fmt))) \
+        and use_i8(fmt, x.dtype)
     if i8 and tiles is None:
         tiles = _i8_blocks(m, n, k, fmt)
         i8 = tiles is not None
-    bm, bn, bk, warps = tiles or _blocks(m, n, k, fmt, dot)
+        mt = tiles[4] if i8 and len(tiles) > 4 else 1
+    bm, bn, bk, warps = (tiles or _blocks(m, n, k, fmt, dot))[:4]
+    if mt > 1 and not (i8 and bm == 1):
+        raise ValueError(f"linear: tiles {tiles}: several tokens a program (MT = {mt}) need "
+                         f"the int8 GEMV (BM = 1, a {qw.fmt} weight and a 16-bit x)")
     if bm == 1 and k % bk:
         raise ValueError(f"linear: GEMV chunk BK={bk} must divide K={k}")
     if bm == 1 and not i8 and (why := gemv_chunk_error(fmt, bk, "linear")):
@@ -321,13 +387,14 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     if i8 and not i8_chunk_ok(fmt, k, bk):
         raise ValueError(f"linear: int8 GEMV chunk BK={bk} does not tile K={k} for "
                          f"{qw.fmt}")
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    grid = (triton.cdiv(m, bm * mt), triton.cdiv(n, bn))
     q = xq_rows(x, m, k) if i8 and bm == 1 else None
     xs = x2 if q is None else q  # the int8 GEMV reads x quantized ahead where it was
     _qmm_kernel[grid](xs, data, scales, s2, out, m, n, xs.stride(0), data.stride(-2),
                       scales.stride(-2), out.stride(0), K=k, FMT=fmt, SCALE2=mode, DOT=dot,
                       BM=bm, BN=bn, BK=bk, FAST=has_fast_tile(fmt, k, bk), I8=i8, ASM=asm(),
-                      XQ=q is not None, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+                      XQ=q is not None, MT=mt, num_warps=warps, enable_fp_fusion=False,
+                      **pdl.opts())
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -30,9 +30,10 @@ Bigger batches group routes by slot on the device and pad each slot's run to BM 
 three small kernels and a memset whose sizes depend only on shapes, so the step can be
 captured in a CUDA graph; they replaced some twenty torch launches a layer, a prefill's host
 time).
-`moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows decoded
-once for all of its tokens) runs on request only (`grouped=True`): measured slower, see
-`GROUPED_TOKENS`.
+`moe_grouped.py` (routes grouped by slot in one small kernel, each group's expert rows read
+and expanded once for all of its tokens; int8 dots with the per-route path's bits where it
+takes them) runs on request only (`grouped=True`, FREETOKEN_GPU_MOE_GROUPED): the fp32 and the
+int8 kernels both measured slower than the per-route GEMV (see `GROUPED_TOKENS`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import triton.language as tl
 from freetoken import env
 from freetoken.kernels.norm import FOLD_ROWS, fold_buffers, fold_done
 from freetoken.kernels.triton import pdl
-from freetoken.kernels.triton.arrive import counters, last_to_arrive
+from freetoken.kernels.triton.arrive import counters, last_to_arrive, sum_when_last
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
 from freetoken.kernels.triton.gemv_i8 import (
     asm,
@@ -57,7 +58,14 @@ from freetoken.kernels.triton.gemv_i8 import (
     xq_len,
 )
 from freetoken.kernels.triton.linear import _DOT, _dot_acc, _row_ptrs, weight_args, xq_rows
-from freetoken.kernels.triton.moe_grouped import MAX_ROUTES, glu, grouped_expert_kernels
+from freetoken.kernels.triton.moe_grouped import (
+    MAX_ROUTES,
+    gate_up_rows,
+    glu,
+    group_routes,
+    grouped_down,
+    grouped_gate_up,
+)
 from freetoken.kernels.triton.norm import norm_row
 from freetoken.kernels.triton.pdl import wait
 from freetoken.kernels.triton.quant import decode_tile, format_id
@@ -114,10 +122,8 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_p
         return
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = rn < INTER
-    w_slot = w_ptr + slot.to(tl.int64) * stride_ws
-    s_slot = s_ptr + slot.to(tl.int64) * stride_ss
-    wg, sg = _row_ptrs(w_slot, s_slot, rn, stride_wn, stride_sn, FMT)
-    wu, su = _row_ptrs(w_slot, s_slot, rn + INTER, stride_wn, stride_sn, FMT)
+    wg, sg, wu, su = gate_up_rows(w_ptr, s_ptr, slot, rn, stride_ws, stride_ss, stride_wn,
+                                  stride_sn, INTER, FMT)
     x_rows = x_ptr + (routes // TOPK)[:, None].to(tl.int64) * stride_xm
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -235,13 +241,7 @@ def _arrive_and_sum(y_ptr, out_ptr, count_ptr, rn, n_ok, stride_ym, stride_om,
     NORM: then the last of the token's row blocks to be summed (a second counter, per token)
     computes the next residual step of the token's whole out row (`_arrive_and_norm`)."""
     t = tl.program_id(0) // TOPK
-    if last_to_arrive(count_ptr + t * tl.num_programs(1) + tl.program_id(1), TOPK):
-        acc = tl.zeros(rn.shape, dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            acc += tl.load(y_ptr + (t * TOPK + j).to(tl.int64) * stride_ym + rn, mask=n_ok,
-                           other=0.0, cache_modifier=".cg")  # from L2: other SMs wrote them
-        tl.store(out_ptr + t.to(tl.int64) * stride_om + rn,
-                 acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    if sum_when_last(y_ptr, out_ptr, count_ptr, t, rn, n_ok, stride_ym, stride_om, TOPK):
         if NORM:
             _arrive_and_norm(t.to(tl.int64), out_ptr, stride_om, ncount_ptr, res_ptr, nw_ptr,
                              ny_ptr, ns_ptr, nq_ptr, stride_nr, stride_ny, stride_ns,
@@ -508,35 +508,73 @@ def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
     return min(8, k // bk) if bm == 1 and bn <= 2 else 1
 
 
-# Tokens per step at which the grouped kernels (moe_grouped.py) replace the per-route GEMV by
-# default; None = never (they run with grouped=True only). Measured on the H200 (Q4_K, 128
-# experts, 2048 x 768, top-8, graph-replayed us per layer): 4 tokens per-route 144, grouped
-# BT=2 BN=2 330, BT=2 BN=4 345 (322 rolled), BT=4 BN=4 750; 16 tokens per-route 474, grouped
-# BT=2 BN=4 1113, BT=4 BN=4 2339 (1564 rolled). Time grows with BT, not with the bytes read:
-# the padded fp32 broadcast FMAs over [BT, BN, BK] bound these kernels, not HBM.
+# Tokens per step at which the grouped kernels (moe_grouped.py: each expert's rows read once
+# for all of its routes) replace the per-route GEMV by default, where both kernels take int8
+# dots; None = never (they run with grouped=True only); FREETOKEN_GPU_MOE_GROUPED=LO-HI sets
+# the span at run time. The fp32 grouped kernels were measured on the H200 (Q4_K, 128 experts,
+# 2048 x 768, top-8, graph-replayed us per layer): 4 tokens per-route 144, grouped BT=2 BN=2
+# 330, BT=2 BN=4 345 (322 rolled), BT=4 BN=4 750; 16 tokens per-route 474, grouped BT=2 BN=4
+# 1113, BT=4 BN=4 2339 (1564 rolled): time grew with BT, not with the bytes read (the padded
+# fp32 broadcast FMAs over [BT, BN, BK] bound them). The int8 grouped kernels lost too
+# (bench_gpu_kernels.py --moe-grouped, H200, 2026-12-04, Q4_K, us per layer at 4 / 8 / 16
+# tokens): per-route 33.2 / 57.5 / 99.7, grouped BT 2, 16 rows, 4 warps, 512-wide chunks
+# 68.4 / 121.4 / 207.8 (BT 4: 96.1 / 174.2 / 278.9; 32 rows, 8 warps: 73.1 / 126.1 / 218.8);
+# end to end (ab_env.py, 30B Q4_K fused) batch 4 1,190 -> 762 tok/s, 16 2,056 -> 1,205. Their
+# narrow row blocks (registers hold a group's expanded chunks) read too few bytes a program.
 GROUPED_TOKENS: tuple[int, int] | None = None
+# (BN, BK at most, num_warps) of the int8 grouped kernels by format id (NVFP4 1, Q4_K 13, split
+# Q8_0 18), and BT, the routes a group holds. Not timed yet: a group's expanded weight chunks
+# stay in registers for its BT dots (NVFP4 expands a code word into four), so rows and chunks
+# are narrower than the per-route GEMV's (`ROUTE_TILES`); these are the widest whose gate/up
+# kernel (BT 2, hidden 2048) ptxas -v compiles for sm_90a without spilling registers (Q4_K
+# 32 rows in 512-wide chunks with 4 warps spilled 1.2 KB a thread, with 8 none).
+GROUP_I8_TILES = {1: (16, 512, 4), 13: (32, 512, 8), 18: (16, 512, 4)}
+GROUP_BT = 2
 
 
-def _grouped_tiles(tokens: int, topk: int, bank: ExpertBank,
-                   grouped: bool | None) -> tuple[int, int, int, int, int] | None:
-    """(BT, BN, BK gate/up, BK down, num_warps) of the grouped kernels, or None for the other
-    paths: off (`grouped=False`, or by size), too many routes, or a K no GEMV chunk divides."""
-    if grouped is False:
+def _grouped_tiles(tokens: int, topk: int, bank: ExpertBank, dtype: torch.dtype,
+                   grouped: bool | None, group_tiles: tuple[int, ...] | None
+                   ) -> tuple[int, tuple[int, int, int, bool], tuple[int, int, int, bool]] | None:
+    """(BT, gate/up's (BN, BK, num_warps, int8), down's) of the grouped kernels, or None for
+    the other paths: off (`grouped=False`; None: by size, `GROUPED_TOKENS` or the switch, and
+    only where both kernels take int8 dots), too many routes, or a K no chunk divides.
+    `group_tiles` (BT, BN, num_warps[, BK at most]) overrides the choice."""
+    if grouped is False or tokens * topk > MAX_ROUTES:
         return None
-    if grouped is None and (GROUPED_TOKENS is None
-                            or not GROUPED_TOKENS[0] <= tokens <= GROUPED_TOKENS[1]):
+    up = _group_kernel_tiles(format_id(bank.w13), bank.hidden, dtype, group_tiles)
+    down = _group_kernel_tiles(format_id(bank.w2), bank.intermediate, dtype, group_tiles)
+    if up is None or down is None:
         return None
-    bk13 = gemv_bk(format_id(bank.w13), bank.hidden)
-    bk2 = gemv_bk(format_id(bank.w2), bank.intermediate)
-    if bk13 is None or bk2 is None or tokens * topk > MAX_ROUTES:
+    if grouped is None:
+        span = env.gpu_moe_grouped() or GROUPED_TOKENS
+        if span is None or not span[0] <= tokens <= span[1] or not (up[3] and down[3]):
+            return None
+    return (group_tiles[0] if group_tiles else GROUP_BT), up, down
+
+
+def _group_kernel_tiles(fmt: int, k: int, dtype: torch.dtype,
+                        group_tiles: tuple[int, ...] | None) -> tuple[int, int, int, bool] | None:
+    """(BN, BK, num_warps, int8) of one grouped kernel over K: int8 dots where the format and
+    x allow (`use_i8`) and a chunk tiles K, else the fp32 kernel (`gemv_bk`'s chunk), else
+    None."""
+    if use_i8(fmt, dtype):
+        bn, want, warps = GROUP_I8_TILES.get(fmt, (16, 512, 4))
+        if group_tiles:
+            bn, warps = group_tiles[1:3]
+            want = group_tiles[3] if len(group_tiles) > 3 else want
+        bk = i8_chunk(fmt, k, want)
+        if bk is not None:
+            return bn, bk, warps, True
+    bk = gemv_bk(fmt, k)
+    if bk is None:
         return None
-    bt = 4 if tokens * topk > 32 else 2  # a group holds up to BT routes of one expert
-    return bt, 4, bk13, bk2, 1
+    bn, warps = group_tiles[1:3] if group_tiles else (4, 1)
+    return bn, bk, warps, False
 
 
 def _group_unroll(unroll: int | None, bn: int, k: int, bk: int) -> int:
-    """K-loop unroll of the grouped kernels: programs of a few rows hold few bytes per chunk,
-    so (as for the per-route GEMV, `_unroll`) the chunks' loads go out together."""
+    """K-loop unroll of the fp32 grouped kernels: programs of a few rows hold few bytes per
+    chunk, so (as for the per-route GEMV, `_unroll`) the chunks' loads go out together."""
     if unroll is not None:
         return unroll
     return min(8, k // bk) if bn <= 4 else 1
@@ -544,22 +582,42 @@ def _group_unroll(unroll: int | None, bn: int, k: int, bk: int) -> int:
 
 def _fused_grouped(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor, act: int, expert_map: torch.Tensor | None,
-                   tiles: tuple[int, int, int, int, int], unroll: int | None) -> torch.Tensor:
+                   tiles: tuple, unroll: int | None, quant_a: bool | None) -> torch.Tensor:
+    """The grouped decode path: routes grouped by slot (`group_routes`), gate/up and down one
+    program per (group, row block), in int8 dots where the per-route path takes them (the
+    same bits per route), the GLU output quantized for an int8 down where it quantizes it;
+    the routes' sum by the down kernel's last-arriving programs (int8) or `_sum_routes_kernel`."""
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
-    # A route whose slot is -1 gets no group: its row must read zero.
-    y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
-                                                           device=x.device)
-    bt, bn, bk13, bk2, warps = tiles
-    grouped_expert_kernels(
-        x, weight_args(bank.w13), weight_args(bank.w2),
-        (format_id(bank.w13), format_id(bank.w2)), bank.scales.contiguous(), topk_ids,
-        topk_weights.reshape(-1).contiguous(), expert_map, y, act, inter,
-        (bt, bn, bk13, bk2, warps), (_group_unroll(unroll, bn, h, bk13),
-                                     _group_unroll(unroll, bn, inter, bk2)))
+    bt, up, down = tiles
+    f13, f2 = format_id(bank.w13), format_id(bank.w2)
+    groups = group_routes(topk_ids, expert_map, bt)
+    scales = bank.scales if bank.scales.stride(-1) == 1 else bank.scales.contiguous()
+    q = xq_rows(x, t, h) if up[3] else None
+    if quant_a is None:  # as the per-route path chooses (`QUANT_A_FORMATS`)
+        quant_a = f13 == f2 and f13 in QUANT_A_FORMATS and t >= QUANT_A_TOKENS
+    qa_rows = max(32, up[0] // 32 * 32)
+    qa = up[3] and down[3] and quant_a and inter % qa_rows == 0
+    if qa:
+        up = (qa_rows, *up[1:])
+        a = torch.empty(r, xq_len(inter), dtype=torch.int32, device=x.device)
+    else:
+        a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
+    grouped_gate_up(x if q is None else q, weight_args(bank.w13), f13, scales, groups, a, act,
+                    h, inter, topk, bt, up, _group_unroll(unroll, up[0], h, up[1]),
+                    xq=q is not None, qa=qa)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
-                                                   num_warps=4, **pdl.opts())
+    sums = down[3] and t * triton.cdiv(h, down[0]) <= SUM_COUNTERS and env.gpu_down_arrive_sum()
+    # a route mapped to -1 must read zero: the int8 down kernel writes its row, the fp32 one not
+    y = (torch.zeros if expert_map is not None and not down[3] else torch.empty)(
+        r, h, dtype=torch.float32, device=x.device)
+    grouped_down(a, weight_args(bank.w2), f2, scales, groups,
+                 topk_weights.reshape(-1).contiguous(), y, h, inter, topk, bt, down,
+                 _group_unroll(unroll, down[0], inter, down[1]), xq=qa,
+                 sums=(out, counters("grouped_sum", SUM_COUNTERS, x.device)) if sums else None)
+    if not sums:
+        _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
+                                                       num_warps=4, **pdl.opts())
     return out
 
 
@@ -568,7 +626,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                      expert_map: torch.Tensor | None = None,
                      tiles: tuple[int, int, int, int] | None = None,
                      unroll: int | None = None, grouped: bool | None = None,
-                     group_tiles: tuple[int, int, int] | None = None,
+                     group_tiles: tuple[int, ...] | None = None,
                      quant_a: bool | None = None, down_sum: bool | None = None,
                      norm_fold=None) -> torch.Tensor:
     """The contract of `freetoken.kernels.moe.fused_moe` (checked there) on CUDA tensors.
@@ -576,25 +634,25 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     `tiles` (BM, BN, BK, num_warps) overrides the choice by batch size (tests under the
     interpreter use wide row blocks: fewer programs to interpret); `unroll` the GEMV's K-loop
     unroll (`_unroll`; 1 = rolled, for A/B measurements). `grouped` forces the grouped decode
-    kernels on (True, where their chunking divides the K's) or off (False); None picks them by
-    batch size (`GROUPED_TOKENS`; today never). `group_tiles` (BT, BN, num_warps) overrides
-    their tiles. `quant_a` forces gate/up's quantized GLU output for the int8 down GEMV on
-    or off (None: `QUANT_A_FORMATS`); `down_sum` the int8 down-and-sum kernel (None: where the
-    FFN is one chunk, from `DOWN_SUM_TOKENS` tokens). `norm_fold` (`kernels/norm.py`
-    NormFold): the residual step that takes y next, computed by the down kernel's
-    last-arriving programs where it sums the routes (the output then carries it), else
-    ignored."""
+    kernels on (True, where their chunking divides the K's; int8 dots where the per-route
+    path takes them) or off (False); None picks them by batch size where both kernels take
+    int8 dots (FREETOKEN_GPU_MOE_GROUPED, else `GROUPED_TOKENS`; today never). `group_tiles`
+    (BT, BN, num_warps[, BK at most]) overrides their tiles. `quant_a` forces gate/up's
+    quantized GLU output for the int8 down GEMV on or off (None: `QUANT_A_FORMATS`);
+    `down_sum` the int8 down-and-sum kernel (None: where the FFN is one chunk, from
+    `DOWN_SUM_TOKENS` tokens). `norm_fold` (`kernels/norm.py` NormFold): the residual step
+    that takes y next, computed by the per-route down kernel's last-arriving programs where
+    it sums the routes (the output then carries it), else ignored."""
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    gt = _grouped_tiles(t, topk, bank, grouped) if tiles is None or grouped else None
+    gt = (_grouped_tiles(t, topk, bank, x.dtype, grouped, group_tiles)
+          if tiles is None or grouped else None)
     if gt is not None and r > 0:
-        if group_tiles is not None:
-            gt = (group_tiles[0], group_tiles[1], gt[2], gt[3], group_tiles[2])
         return _fused_grouped(x, bank, topk_ids, topk_weights, _ACT[activation], expert_map,
-                              gt, unroll)
+                              gt, unroll, quant_a)
     dot = _DOT.get(x.dtype, 0)
     bm, bn, bk, warps = tiles or _tiles(t, topk, bank, dot)
     f13, f2 = format_id(bank.w13), format_id(bank.w2)
