@@ -156,6 +156,28 @@ CASES.update({
     for f, bn, warps in ((1, 16, 8), (18, 8, 4)) for mt in (4, 8) for xq in (False, True)
 })
 
+# the fused MoE's grouped int8 kernels (`moe_grouped.py`; opt-in) at the 30B shape with
+# moe.GROUP_I8_TILES' tiles and GROUP_BT: gate/up with and without the quantized GLU output,
+# down with the codes and the in-kernel sum
+_GROUP_PTRS = {"x_ptr": "*i32", "a_ptr": "*i32", "w_ptr": "*u8", "s_ptr": "*u8",
+               "bank_s_ptr": "*fp32", "grp_slot_ptr": "*i32", "grp_cnt_ptr": "*i32",
+               "grp_routes_ptr": "*i32", "route_w_ptr": "*fp32", "y_ptr": "*fp32",
+               "out_ptr": _BF, "count_ptr": "*i32"}
+CASES.update({
+    f"group-gate-up-i8-fmt{f}-qa{qa}": (
+        "freetoken.kernels.triton.moe_grouped", "_gate_up_i8_kernel", _GROUP_PTRS,
+        dict(K=2048, INTER=768, TOPK=8, FMT=f, ACT=0, BT=2, BN=max(bn, 32) if qa else bn,
+             BK=512, ASM=True, XQ=True, QA=qa), (), warps)  # qa: whole blocks of 32 rows
+    for f, bn, warps in ((1, 16, 4), (13, 32, 8)) for qa in (False, True)
+})
+CASES.update({
+    f"group-down-i8-fmt{f}": (
+        "freetoken.kernels.triton.moe_grouped", "_down_i8_kernel", _GROUP_PTRS,
+        dict(K=768, HIDDEN=2048, TOPK=8, FMT=f, BT=2, BN=bn, BK=256, ASM=True, XQ=True,
+             SUM=True), (), warps)
+    for f, bn, warps in ((1, 16, 4), (13, 32, 8))
+})
+
 # decode attention (`attention.decode`) with the heads of Qwen3-30B-A3B (d 128, 4 KV heads)
 # and Qwen3.6-35B-A3B (d 256, 2 KV heads), G = 8: one split, split-K merged by the last split to
 # arrive, split-K for the merge kernel; the cases with the output's codes also with a window
