@@ -266,9 +266,11 @@ def sweep_split(hbm: float) -> None:
     print(f"(HBM copy {hbm:.0f} GB/s)")
 
 
-# (BN, BK, num_warps) of the int8 GEMV taking several tokens a program (linear._i8_tokens)
-MT_TILES = [(4, 1024, 4), (4, 2048, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 8),
-            (16, 2048, 8), (2, 2048, 2)]
+# (BN, BK, num_warps) of the int8 GEMV taking several tokens a program (linear._i8_tokens):
+# the four best of eight on the H200's NVFP4 qkv at 2-16 tokens (2026-12-04; 4 rows, or 2
+# rows and 2 warps, lost 5-45% everywhere); each is a compile per token count and K, and
+# eight took the whole 90 s of a run for one format
+MT_TILES = [(8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 2048, 8)]
 # the dense decode linears of Qwen3-30B-A3B (qkv, o_proj) and Qwen3.6-35B-A3B's GDN layers
 # (in_proj_qkvz 12288 x 2048, out_proj 2048 x 4096)
 MT_SHAPES = [("qkv", 5120, 2048), ("o_proj", 2048, 4096), ("qkvz", 12288, 2048)]
