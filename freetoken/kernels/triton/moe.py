@@ -523,11 +523,13 @@ def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
 # narrow row blocks (registers hold a group's expanded chunks) read too few bytes a program.
 GROUPED_TOKENS: tuple[int, int] | None = None
 # (BN, BK at most, num_warps) of the int8 grouped kernels by format id (NVFP4 1, Q4_K 13, split
-# Q8_0 18), and BT, the routes a group holds. Not timed yet: a group's expanded weight chunks
-# stay in registers for its BT dots (NVFP4 expands a code word into four), so rows and chunks
-# are narrower than the per-route GEMV's (`ROUTE_TILES`); these are the widest whose gate/up
+# Q8_0 18), and BT, the routes a group holds. Chosen by registers, not by time (timed against
+# the per-route GEMV at GROUPED_TOKENS: slower): a group's expanded weight chunks stay in
+# registers for its BT dots (NVFP4 expands a code word into four), so rows and chunks are
+# narrower than the per-route GEMV's (`ROUTE_TILES`); these are the widest whose gate/up
 # kernel (BT 2, hidden 2048) ptxas -v compiles for sm_90a without spilling registers (Q4_K
-# 32 rows in 512-wide chunks with 4 warps spilled 1.2 KB a thread, with 8 none).
+# 32 rows in 512-wide chunks with 4 warps spilled 1.2 KB a thread, with 8 none). The
+# per-route tiles themselves (64 rows, 1024-wide, spilling) are not timed yet.
 GROUP_I8_TILES = {1: (16, 512, 4), 13: (32, 512, 8), 18: (16, 512, 4)}
 GROUP_BT = 2
 
