@@ -233,12 +233,13 @@ def _i8_multi(fmt: int) -> int:
 
 
 def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, ...] | None:
-    """(1, BN, BK, num_warps) of the int8 GEMV, or None where K does not split into its
-    chunks. Measured on the H200 at one token (bench_gpu_kernels.py --sweep nvfp4,Q4_K
-    --sweep-tokens 1, chunks unrolled): 8 rows, chunks up to 2048, 4 warps: NVFP4 qkv
-    5120x2048 4.5 us (against 8.3 for the fp32 GEMV), o_proj 2048x4096 4.6 (7.4); Q4_K 5.2
-    and 5.3. Four tokens of Q4_K: 2 rows, one warp (more programs; the rows' bytes stay in L2
-    for the next token). The lm_head (151936 rows) 16 rows in 512-wide chunks (Q8_0: 78.5 us,
+    """(1, BN, BK, num_warps) of the int8 GEMV once per token (up to I8_TOKENS), (1, BN, BK,
+    num_warps, MT) of several tokens a program (up to `_i8_multi`), or None: more tokens, or a K
+    that does not split into its chunks. Measured on the H200 at one token (bench_gpu_kernels.py
+    --sweep nvfp4,Q4_K --sweep-tokens 1, chunks unrolled): 8 rows, chunks up to 2048, 4 warps:
+    NVFP4 qkv 5120x2048 4.5 us (against 8.3 for the fp32 GEMV), o_proj 2048x4096 4.6 (7.4); Q4_K
+    5.2 and 5.3. Four tokens of Q4_K: 2 rows, one warp (more programs; the rows' bytes stay in
+    L2 for the next token). The lm_head (151936 rows) 16 rows in 512-wide chunks (Q8_0: 78.5 us,
     4.2 TB/s)."""
     if 1 < m <= _i8_multi(fmt):
         bn, want, warps = I8_MULTI_TILES[fmt]
@@ -368,14 +369,14 @@ def triton_linear(x: torch.Tensor, qw: QuantWeight,
     data, scales = weight_args(qw)
     mode, s2 = _scale2_args(qw, n, out)
     dot = _DOT.get(x.dtype, 0)
-    mt = tiles[4] if tiles is not None and len(tiles) > 4 else 1
-    # the int8 GEMV: up to I8_TOKENS once per token, up to I8_MULTI_TOKENS several a program
-    i8 = (mt > 1 or m <= I8_TOKENS.get(fmt, 0) or (tiles is None and m <= _i8_multi(fmt))) \
-        and use_i8(fmt, x.dtype)
-    if i8 and tiles is None:
-        tiles = _i8_blocks(m, n, k, fmt)
+    # the int8 GEMV (`_i8_blocks` by token count: once per token up to I8_TOKENS, several a
+    # program up to I8_MULTI_TOKENS), else the fp32 GEMV or tl.dot tiles
+    if tiles is None:
+        tiles = _i8_blocks(m, n, k, fmt) if use_i8(fmt, x.dtype) else None
         i8 = tiles is not None
-        mt = tiles[4] if i8 and len(tiles) > 4 else 1
+    else:
+        i8 = (len(tiles) > 4 or m <= I8_TOKENS.get(fmt, 0)) and use_i8(fmt, x.dtype)
+    mt = tiles[4] if tiles is not None and len(tiles) > 4 else 1
     bm, bn, bk, warps = (tiles or _blocks(m, n, k, fmt, dot))[:4]
     if mt > 1 and not (i8 and bm == 1):
         raise ValueError(f"linear: tiles {tiles}: several tokens a program (MT = {mt}) need "

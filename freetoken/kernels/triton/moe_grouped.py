@@ -359,7 +359,7 @@ def _down_i8_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, grp_slot_ptr, grp_cnt_ptr, 
     if SUM:
         for t in tl.static_range(BT):
             if t < cnt:
-                r = tl.load(grp_routes_ptr + g * BT + t)
+                r = _route_at(grp_routes_ptr, g, t, cnt, BT)
                 sum_when_last(y_ptr, out_ptr, count_ptr, r // TOPK, rn, n_ok, stride_ym,
                               stride_om, TOPK)
 
