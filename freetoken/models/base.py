@@ -12,9 +12,11 @@ from torch import nn
 
 from freetoken import kernels
 from freetoken.engine.context import ForwardContext
+from freetoken.kernels.norm import folding
 from freetoken.layers.attention import AttentionSpec
 from freetoken.layers.embedding import Embedding
 from freetoken.layers.linear import Linear
+from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
 from freetoken.models.config import ModelConfig, embed_scale
@@ -29,6 +31,30 @@ def attention_spec(cfg: ModelConfig, layer: int, **kw) -> AttentionSpec:
         norm_eps=cfg.rms_norm_eps, window=cfg.sliding_window if sliding else None,
         softcap=cfg.attn_logit_softcap, **kw,
     )
+
+
+class FoldsNextNorm:
+    """A pre-norm decoder layer whose MoE output goes only into the next residual step: it
+    offers that step to the MoE's last kernel (`kernels/norm.py`: folding). `CausalLM` tells
+    it the step's norm (`set_next_norm`: the next layer's input norm, the final norm last)."""
+
+    @property
+    def next_norm(self) -> RMSNorm | None:
+        """The norm whose residual step takes this layer's output, None where unknown."""
+        return self.__dict__.get("_next_norm")
+
+    def set_next_norm(self, norm: RMSNorm | None) -> None:
+        # in __dict__, not through nn.Module's setattr: not a submodule (the model owns it
+        # elsewhere; as a submodule it would also appear twice in the module tree)
+        self.__dict__["_next_norm"] = norm
+
+    def mlp_folding(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """self.mlp(h), a MoE offered the residual step of its output with `residual`."""
+        nxt = self.next_norm
+        if nxt is None or not isinstance(self.mlp, SparseMoE):
+            return self.mlp(h)  # an MoE's routes may come with h (one launch fewer)
+        with folding(nxt.weight, nxt.eps, nxt.quantize, residual):
+            return self.mlp(h)
 
 
 class CausalLM(nn.Module):

@@ -7,16 +7,14 @@ import torch
 from torch import nn
 
 from freetoken.engine.context import ForwardContext
-from freetoken.kernels.norm import folding
 from freetoken.layers.attention import Attention
 from freetoken.layers.mlp import HF_ACT, GatedMLP
-from freetoken.layers.moe import SparseMoE
 from freetoken.layers.norm import RMSNorm
-from freetoken.models.base import CausalLM, attention_spec
+from freetoken.models.base import CausalLM, FoldsNextNorm, attention_spec
 from freetoken.models.config import ModelConfig
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(FoldsNextNorm, nn.Module):
     """x -> x + attn(norm(x)) -> x + mlp(norm(x)), carrying the residual separately."""
 
     def __init__(self, cfg: ModelConfig, layer: int, qk_norm: bool = False):
@@ -42,23 +40,7 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm.forward_add(x, residual)
         h, residual = self.post_attention_layernorm.forward_add(
             self.self_attn(h, ctx, rope), residual, getattr(self.mlp, "router", None))
-        nxt = self.next_norm
-        if nxt is None or not isinstance(self.mlp, SparseMoE):
-            return self.mlp(h), residual  # an MoE's routes may come with h (one launch fewer)
-        # the next residual step offered to the MoE's last kernel (kernels/norm.py: folding)
-        with folding(nxt.weight, nxt.eps, nxt.quantize, residual):
-            return self.mlp(h), residual
-
-    @property
-    def next_norm(self) -> RMSNorm | None:
-        """The norm whose residual step takes this layer's output (`CausalLM` sets it with
-        `set_next_norm`: the next layer's input norm, or the final norm), None where unknown."""
-        return self.__dict__.get("_next_norm")
-
-    def set_next_norm(self, norm: RMSNorm | None) -> None:
-        # in __dict__, not through nn.Module's setattr: not a submodule (the model owns it
-        # elsewhere; as a submodule it would also appear twice in the module tree)
-        self.__dict__["_next_norm"] = norm
+        return self.mlp_folding(h, residual), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -23,7 +23,7 @@ from freetoken.layers.mlp import HF_ACT, GatedMLP
 from freetoken.layers.moe import MoESpec, SparseMoE
 from freetoken.layers.norm import RMSNorm
 from freetoken.layers.rotary import RotaryEmbedding
-from freetoken.models.base import CausalLM
+from freetoken.models.base import CausalLM, FoldsNextNorm
 from freetoken.models.config import ModelConfig
 
 
@@ -70,7 +70,7 @@ def moe_spec(cfg: ModelConfig) -> MoESpec:
                    shared_intermediate=cfg.shared_expert_intermediate_size, shared_gate=True)
 
 
-class Qwen3_5DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(FoldsNextNorm, nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.linear = cfg.layer_types[layer] == "linear"
@@ -97,7 +97,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         x = self.linear_attn(h, ctx) if self.linear else self.self_attn(h, ctx, rope)
         h, residual = self.post_attention_layernorm.forward_add(
             x, residual, getattr(self.mlp, "router", None))
-        return self.mlp(h), residual  # an MoE's routes may come with h (one launch fewer)
+        return self.mlp_folding(h, residual), residual
 
 
 class Qwen3_5ForCausalLM(CausalLM):

@@ -183,6 +183,38 @@ def test_folded_residual_steps_give_the_unfolded_tokens(backend, dtype, monkeypa
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_receive_folds_give_the_unfolded_tokens(dtype, monkeypatch):
+    """qwen3.5-moe layers (a shared expert added in the receive of the CPU's answer) offer
+    the next residual step too: the hybrid backend on the 35B shape (4 layers) gives the
+    separate RMSNorm launches' greedy tokens, graphed and overlapped, and an eager forward
+    launches the RMSNorm kernel once per layer fewer (the prompt's forward and the decode
+    step both fold: 5 tokens are a hand-off's decode size)."""
+    from freetoken.kernels.triton import norm as tnorm
+
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
+    kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, dtype=dtype, moe_backend="hybrid",
+              moe_cache_rate=0.25, max_running_requests=4)
+    runs, launches = {}, {}
+    real = tnorm.rms_norm_triton
+    for fold in ("0", "1"):
+        monkeypatch.setenv("FREETOKEN_GPU_NORM_FOLD", fold)
+        eng = dummy_engine(**kw)
+        runs[fold] = generate(eng, params)
+        eng.moe.close()
+        eager = dummy_engine(disable_cuda_graph=True, disable_overlap_schedule=True, **kw)
+        calls = []
+        monkeypatch.setattr(tnorm, "rms_norm_triton",
+                            lambda *a, calls=calls, **k: calls.append(1) or real(*a, **k))
+        generate(eager, [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)])
+        monkeypatch.setattr(tnorm, "rms_norm_triton", real)
+        launches[fold] = len(calls)
+        eager.moe.close()
+    assert runs["1"] == runs["0"]
+    assert launches["0"] - launches["1"] == 2 * 4, launches
+
+
+@needs_cuda
 @pytest.mark.parametrize("side_stream,receive_shared,split",
                          [("1", "1", False), ("0", "1", True), ("1", "0", False)])
 def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, split,

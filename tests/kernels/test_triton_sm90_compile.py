@@ -85,6 +85,18 @@ CASES.update({
         dict(H=2048, QUANT=q, BLOCK=2048, ASM=True), ("eps",), 4)
     for q in (False, True)
 })
+# the same with the shared expert and its gate added (qwen3.5-moe, the 35B's width: the
+# gate's chunks of 1024, the row of 2048, GATE_WARPS), with and without the codes
+CASES.update({
+    f"receive-shared-norm-gate{g}-quant{q}": (
+        "freetoken.kernels.triton.handoff", "_receive_shared_norm_kernel",
+        {"y_ptr": _BF, "sh_ptr": _BF, "x_ptr": _BF, "w_ptr": _BF, "out_ptr": _BF,
+         "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32", "waits_ptr": "*i64",
+         "timeout_ns": "i64", "res_ptr": _BF, "nw_ptr": "*fp32", "ny_ptr": _BF, "ns_ptr": _BF,
+         "nq_ptr": "*i32"},
+        dict(H=2048, GBLOCK=1024, GATE=g, QUANT=q, BLOCK=2048, ASM=True), ("eps",), 4)
+    for g, q in ((True, True), (False, False))
+})
 # the next layer's hint for the CPU worker's warming (`handoff.post_hint`): one token of the
 # 30B (128 experts), eight of the 35B (256 experts)
 CASES.update({

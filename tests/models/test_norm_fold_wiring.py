@@ -5,14 +5,21 @@ loader would look for its weights under the layer's name). On the CPU no fold is
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from freetoken.kernels import norm
 from freetoken.models.dummy import load_dummy
 
+DATA = Path(__file__).resolve().parents[1] / "data"
 
-def test_layers_know_the_next_norm_and_do_not_own_it():
-    model = load_dummy("tiny-qwen3-moe", "bf16", device="cpu")
+
+# qwen3-moe (llama's layer) and qwen3.5-moe (its hybrid layers: the shared expert's receive)
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", str(DATA / "tiny_qwen3_5_moe_q4k-mxfp4.gguf")])
+def test_layers_know_the_next_norm_and_do_not_own_it(model):
+    model = load_dummy(model, "bf16", device="cpu")
     layers = list(model.model.layers)
     want = [n.input_layernorm for n in layers[1:]] + [model.model.norm]
     assert [layer.next_norm for layer in layers] == want

@@ -429,3 +429,47 @@ def test_receive_folds_the_next_residual_step(T, hidden, dtype, quantize, monkey
     py, ps = norm.add_rms_norm(got, other, weight, 1e-6, quantize)
     assert py is not fy and torch.equal(ps, got + other)  # not the fold's: computed again
     assert waits.tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [True, False])
+# rows of 320 and 1120 (padded to 512 and 2048: the RMSNorm kernel's 4 warps, the gate's)
+# fold; a row of 160 (one warp's) does not, and the plain shared receive runs
+@pytest.mark.parametrize("T,hidden", [(1, 1120), (3, 320), (2, 160)])
+def test_shared_receive_folds_the_next_residual_step(T, hidden, gated, dtype, quantize,
+                                                      monkeypatch):
+    """The receive that adds the shared expert, given a fold (the qwen3.5-moe layers' next
+    residual step), gives the unfolded receive's sum bit for bit (its gate's FMAs and
+    roundings) and carries the RMSNorm kernel's (y, s, codes) of that sum and the residual,
+    which `add_rms_norm` returns without a launch; where the row's norm takes other warps
+    than the gate's, the fold is ignored and `add_rms_norm` computes the step itself."""
+    from freetoken.kernels import norm, xq
+    from freetoken.kernels.triton.handoff import receive_add, shared_folds
+    from freetoken.kernels.triton.norm import rms_norm_triton
+
+    if quantize and DEV == "cpu":
+        monkeypatch.setattr(xq, "wanted", lambda x: True)
+    g = torch.Generator().manual_seed(T * hidden + gated)
+    y, sh, x, res = ((torch.randn(T, hidden, generator=g) * 2).to(dtype).to(DEV)
+                     for _ in range(4))
+    w = (torch.randn(hidden, generator=g) * 0.1).to(dtype).to(DEV) if gated else None
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(DEV)
+    fold = norm.NormFold(res, weight, 1e-6, quantize)
+    buf, off, seq, waits = _answered(T, hidden, 9)
+    got = receive_add(y, seq, buf, off, waits, (sh, x, w), fold)
+    want = receive_add(y, seq, buf, off, waits, (sh, x, w))
+    assert torch.equal(got, want)
+    folded = xq.tagged(got, norm._FOLDED) is not None
+    assert folded == shared_folds(hidden) == (hidden > 256)
+    fy, fs = norm.add_rms_norm(got, res, weight, 1e-6, quantize)
+    if folded:
+        ny, ns, nq = rms_norm_triton(want, weight, 1e-6, res,
+                                     quantize=quantize and xq.wanted(want))
+    else:  # the step as any other sum gets it (on the CPU not the Triton kernel)
+        ny, ns = norm.add_rms_norm(want, res, weight, 1e-6, quantize)
+        nq = xq.attached(ny)
+    assert torch.equal(fy, ny) and torch.equal(fs, ns)
+    if nq is not None:
+        assert torch.equal(xq.attached(fy), nq)
+    assert waits.tolist() == [0, 2]

@@ -48,14 +48,24 @@ GATE_WARPS = 4
 def sigmoid_dot(x_row, w_ptr, H: tl.constexpr, BLOCK: tl.constexpr):
     """sigmoid(x . w) in fp32 over the H values (unit stride) at x_row and w_ptr, BLOCK at a
     time: the shared expert's gate of one token, in `_gated_add_kernel` and in the hand-off's
-    receive (kernels/triton/handoff.py), which compute the same bits with it."""
+    receive (kernels/triton/handoff.py), which compute the same bits with it. The products are
+    added by explicit FMAs (what a kernel compiled with FP fusion makes of `acc += x * w`), so
+    that a kernel compiled without it (one that also quantizes as the RMSNorm kernel does)
+    gets the same gate."""
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK):
         h = h0 + tl.arange(0, BLOCK)
         ok = h < H
-        acc += tl.load(x_row + h, mask=ok, other=0.0).to(tl.float32) * \
-            tl.load(w_ptr + h, mask=ok, other=0.0).to(tl.float32)
+        acc = tl.fma(tl.load(x_row + h, mask=ok, other=0.0).to(tl.float32),
+                     tl.load(w_ptr + h, mask=ok, other=0.0).to(tl.float32), acc)
     return tl.sigmoid(tl.sum(acc, axis=0))
+
+
+@triton.jit
+def gated_sum(y, gate, s):
+    """y + gate * s in fp32 by one FMA (`sigmoid_dot`'s reason): the shared expert's gated
+    term added to the routed experts' sum, by every kernel that adds it."""
+    return tl.fma(gate, s, y)
 
 
 @triton.jit
@@ -68,7 +78,7 @@ def _gated_add_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, stride_y, stride_sh,
         ok = h < H
         y = tl.load(y_ptr + t * stride_y + h, mask=ok, other=0.0).to(tl.float32)
         s = tl.load(sh_ptr + t * stride_sh + h, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * stride_o + h, (y + gate * s).to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + t * stride_o + h, gated_sum(y, gate, s).to(out_ptr.dtype.element_ty),
                  mask=ok)
 
 

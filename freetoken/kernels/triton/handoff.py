@@ -15,6 +15,8 @@ both are mapped at the same address on the device, which Triton takes as a point
   layer's shared expert (sh, and its gate's x and weight row) it adds y + gate * sh too, in
   the same launch: a grid of (token, block of H), each program computing its token's gate
   and that part of the sum before it polls, with the two launches' bits (see `receive_add`).
+  With a fold (`kernels/norm.py`: the next layer's residual step) a program a token holds its
+  row and computes that step too (`_receive_norm_kernel`, `_receive_shared_norm_kernel`).
 - `post_hint`: one program writes the next MoE layer's predicted misses (the experts of its
   predicted routes on live rows that its map gives no slot, most-routed first, then the lower
   id: the slot plan's fetch order), their count and the layer into the buffer's hint, then
@@ -32,7 +34,7 @@ import triton.language as tl
 
 from freetoken.kernels.norm import fold_buffers, fold_done
 from freetoken.kernels.triton import interpreting
-from freetoken.kernels.triton.glu import GATE_WARPS, gate_block, sigmoid_dot
+from freetoken.kernels.triton.glu import GATE_WARPS, gate_block, gated_sum, sigmoid_dot
 from freetoken.kernels.triton.norm import norm_row, norm_warps
 
 TIMEOUT_S = 30.0  # a hand-off answered later than this is an error (the worker died or hung)
@@ -196,17 +198,56 @@ def _receive_shared_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, seq_ptr, hi32, 
     h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = h < H
     dt = out_ptr.dtype.element_ty
-    y = tl.load(y_ptr + t * H + h, mask=m, other=0.0).to(tl.float32)
-    s = tl.load(sh_ptr + t * stride_sh + h, mask=m, other=0.0).to(tl.float32)
-    if GATE:
-        ys = y + sigmoid_dot(x_ptr + t * stride_x, w_ptr, H, BLOCK) * s
-    else:
-        ys = y + s
-    ys = ys.to(dt).to(tl.float32)
+    ys = _shared_sum(y_ptr, sh_ptr, x_ptr, w_ptr, t, h, m, stride_sh, stride_x, dt, H, BLOCK,
+                     GATE)
     d = _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr,
                       (tl.program_id(0) == 0) & (tl.program_id(1) == 0), ASM)
     c = tl.load(hf32 + o_out + t * H + h + (d - d), mask=m, other=0.0, cache_modifier=".cv")
     tl.store(out_ptr + t * H + h, (ys + c).to(dt), mask=m)
+
+
+@triton.jit
+def _shared_sum(y_ptr, sh_ptr, x_ptr, w_ptr, t, h, m, stride_sh, stride_x, dt,
+                H: tl.constexpr, GBLOCK: tl.constexpr, GATE: tl.constexpr):
+    """fp32 values h (mask m) of token t's y + gate * sh rounded to dt, as `_gated_add_kernel`
+    stores them: gate = `sigmoid_dot` of the token's x and w in chunks of GBLOCK
+    (`glu.gate_block`), else 1."""
+    y = tl.load(y_ptr + t * H + h, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sh_ptr + t * stride_sh + h, mask=m, other=0.0).to(tl.float32)
+    if GATE:
+        ys = gated_sum(y, sigmoid_dot(x_ptr + t * stride_x, w_ptr, H, GBLOCK), s)
+    else:
+        ys = y + s
+    return ys.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _receive_shared_norm_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, seq_ptr, hi32, hf32,
+                                o_done, o_timeout, o_out, stride_sh, stride_x, timeout_ns,
+                                waits_ptr, res_ptr, nw_ptr, ny_ptr, ns_ptr, nq_ptr, stride_r,
+                                stride_ny, stride_ns, stride_nq, eps, H: tl.constexpr,
+                                GBLOCK: tl.constexpr, GATE: tl.constexpr,
+                                QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                                ASM: tl.constexpr = True):
+    """Program t: token t's row of `_receive_shared_kernel` (out = y + gate * sh, then + the
+    CPU's out), then the residual step that takes it next (`kernels/norm.py`: folding) with
+    the RMSNorm kernel's arithmetic, as `_receive_norm_kernel` does: the next layer's add +
+    RMSNorm (+ codes) in the receive's launch. Launched with GATE_WARPS warps, which are the
+    RMSNorm kernel's for this row width (`receive_add` checks), and without FP fusion (the
+    codes' arithmetic); the gate's FMAs are explicit (`glu.sigmoid_dot`)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    dt = out_ptr.dtype.element_ty
+    ys = _shared_sum(y_ptr, sh_ptr, x_ptr, w_ptr, t, cols, ok, stride_sh, stride_x, dt, H,
+                     GBLOCK, GATE)
+    d = _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr,
+                      tl.program_id(0) == 0, ASM)
+    c = tl.load(hf32 + o_out + t * H + cols + (d - d), mask=ok, other=0.0, cache_modifier=".cv")
+    o = (ys + c).to(dt)
+    tl.store(out_ptr + t * H + cols, o, mask=ok)
+    norm_row(o, res_ptr + t * stride_r, nw_ptr, ny_ptr + t * stride_ny, ns_ptr + t * stride_ns,
+             nq_ptr + t * stride_nq, cols, ok, H, eps, True, QUANT, BLOCK)
 
 
 @triton.jit
@@ -315,25 +356,36 @@ def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
     of the two launches, bit for bit: y + gate * sh in fp32 rounded to y's dtype (as
     `_gated_add_kernel` stores it, or torch's y + sh), then + out in fp32, rounded again.
 
-    fold (`kernels/norm.py` NormFold, without `shared`): the residual step that takes the sum
-    next, computed in the same launch (a program per token holding its row; the output
-    carries it: `norm.fold_done`)."""
+    fold (`kernels/norm.py` NormFold): the residual step that takes the sum next, computed
+    in the same launch (a program per token holding its row; the output carries it:
+    `norm.fold_done`); with `shared`, where the RMSNorm kernel's warps for the row are the
+    gate's (`shared_folds`), else ignored."""
     y = y.contiguous()
     out = torch.empty_like(y)
     wait = (seq, buf.view(torch.int32), buf.view(torch.float32), off["done"] // 4,
             off["timeout"] // 4, off["out"] // 4)
     timeout_ns = int(TIMEOUT_S * 1e9)
-    if fold is not None and shared is None:
-        T, H = y.shape
+    T, H = y.shape
+    if fold is not None and (shared is None or shared_folds(H)):
         ny, ns, nq = fold_buffers(fold)
         r = fold.residual
         nq_ = nq if nq is not None else ny
         block = triton.next_power_of_2(H)
-        _receive_norm_kernel[(T,)](
-            y, out, *wait, timeout_ns, waits, r, fold.weight, ny, ns, nq_, r.stride(0),
-            ny.stride(0), ns.stride(0), nq_.stride(0), fold.eps, H=H, QUANT=nq is not None,
-            BLOCK=block, ASM=not interpreting(), num_warps=norm_warps(block),
-            enable_fp_fusion=False)  # the codes as the RMSNorm kernel's
+        norm_args = (r, fold.weight, ny, ns, nq_, r.stride(0), ny.stride(0), ns.stride(0),
+                     nq_.stride(0), fold.eps)
+        if shared is None:
+            _receive_norm_kernel[(T,)](
+                y, out, *wait, timeout_ns, waits, *norm_args, H=H, QUANT=nq is not None,
+                BLOCK=block, ASM=not interpreting(), num_warps=norm_warps(block),
+                enable_fp_fusion=False)  # the codes as the RMSNorm kernel's
+        else:
+            sh, x, w = shared
+            _check_shared(y, sh, x, w)
+            _receive_shared_norm_kernel[(T,)](
+                y, sh, x, w if w is not None else y, out, *wait, sh.stride(0), x.stride(0),
+                timeout_ns, waits, *norm_args, H=H, GBLOCK=gate_block(H), GATE=w is not None,
+                QUANT=nq is not None, BLOCK=block, ASM=not interpreting(),
+                num_warps=GATE_WARPS, enable_fp_fusion=False)
         return fold_done(out, fold, ny, ns, nq)
     if shared is None:
         N = y.numel()
@@ -344,13 +396,20 @@ def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
         return out
     sh, x, w = shared
     _check_shared(y, sh, x, w)
-    T, H = y.shape
     block = gate_block(H)
     _receive_shared_kernel[(T, triton.cdiv(H, block))](
         y, sh, x, w if w is not None else y, out, *wait, sh.stride(0),
         x.stride(0), timeout_ns, waits, H=H, BLOCK=block, GATE=w is not None,
         ASM=not interpreting(), num_warps=GATE_WARPS)
     return out
+
+
+def shared_folds(hidden: int) -> bool:
+    """Whether the receive that adds a shared expert can also fold the next residual step
+    for rows of `hidden` values: a program a token holding its row runs the gate's reduction
+    (`glu.sigmoid_dot`, GATE_WARPS warps) and the RMSNorm kernel's, which must run with the
+    warps the RMSNorm kernel takes for that row (the reductions' order follows the warps)."""
+    return norm_warps(triton.next_power_of_2(hidden)) == GATE_WARPS
 
 
 def _check_shared(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
