@@ -109,8 +109,10 @@ class FusedExperts(nn.Module):
         with_side = getattr(self.backend, "with_side", None)
         if with_side is not None:
             return with_side(x, ids, w, self.spec.activation, side)
-        take_fold(x)  # the side's add writes the output last: the backend's kernels may not
-        return side(self.backend(x, self.bank, ids, w, self.spec.activation))
+        # the side's add writes the output last: it, not the backend's kernels, may compute
+        # the next residual step (kernels/norm.py: folding)
+        fold = take_fold(x)
+        return side(self.backend(x, self.bank, ids, w, self.spec.activation), fold)
 
 
 class Vector(nn.Module):
@@ -198,13 +200,16 @@ class SparseMoE(nn.Module):
         # the shared expert as side work: an expert-cache backend overlaps it with the CPU
         return self.experts(x, ids, w, side=SharedSide(self, x))
 
-    def _add_shared(self, y: torch.Tensor, x: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
-        """y + the shared expert's output sh, gated by x where the layer has a gate."""
+    def _add_shared(self, y: torch.Tensor, x: torch.Tensor, sh: torch.Tensor,
+                    fold=None) -> torch.Tensor:
+        """y + the shared expert's output sh, gated by x where the layer has a gate. fold: the
+        residual step after it (`kernels/norm.py` NormFold), computed by the gated add's
+        kernel where it can (`glu.gate_folds`), else ignored."""
         w_gate = self._gate_row(x) if self.spec.shared_gate else None
         if w_gate is not None:
             from freetoken.kernels.triton.glu import gated_add_triton  # lazy: needs triton
 
-            return gated_add_triton(y, sh, x, w_gate)  # one launch for the gate and sum
+            return gated_add_triton(y, sh, x, w_gate, fold)  # one launch for the gate and sum
         if self.spec.shared_gate:
             sh = torch.sigmoid(self.shared_expert_gate(x).float()).to(sh.dtype) * sh
         return y + sh
@@ -220,14 +225,15 @@ class SharedSide:
     def __init__(self, moe: SparseMoE, x: torch.Tensor):
         self.moe, self.x = moe, x
 
-    def __call__(self, y: torch.Tensor) -> torch.Tensor:
-        return self.finish(y, self.prepare())
+    def __call__(self, y: torch.Tensor, fold=None) -> torch.Tensor:
+        return self.finish(y, self.prepare(), fold)
 
     def prepare(self) -> torch.Tensor:
         return self.moe.shared_expert(self.x)
 
-    def finish(self, y: torch.Tensor, sh: torch.Tensor) -> torch.Tensor:
-        return self.moe._add_shared(y, self.x, sh)
+    def finish(self, y: torch.Tensor, sh: torch.Tensor, fold=None) -> torch.Tensor:
+        """y + gate * sh; fold: the next residual step, for the add's kernel (`_add_shared`)."""
+        return self.moe._add_shared(y, self.x, sh, fold)
 
     def fold(self, sh: torch.Tensor) -> tuple | None:
         """(sh, x, the gate's weight row [H], or None where the layer has no gate) for a kernel

@@ -173,8 +173,10 @@ class ExpertCache:
 
         side: the layer's other device work as y -> y + terms that do not depend on y (the
         shared expert); it is applied to the device's partial sum while the CPU computes its
-        share (the CPU's part is added after it), and side(y) is returned. A side with
-        `prepare()` / `finish(y, terms)` (layers/moe.py: SharedSide) has its terms computed on
+        share (the CPU's part is added after it), and side(y) is returned (side(y, fold)
+        where its add writes the output last: its kernel may take the next residual step).
+        A side with `prepare()` / `finish(y, terms, fold)` (layers/moe.py: SharedSide) has
+        its terms computed on
         a second stream on a GPU, beside the plan, the slot fills and the routed experts."""
         T = ids.shape[0]
         split = not (T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()))
@@ -190,7 +192,7 @@ class ExpertCache:
             y = self.prefill.forward(layer, x, ids, w, activation)
         else:
             y = self._fetch_all(layer, x, ids, w, activation)
-        return y if side is None else side(y)
+        return y if side is None else side(y, fold)
 
     def _split(self, layer: int, x, ids, w, activation: str, side: Callable | None = None,
                fold=None):
@@ -254,12 +256,13 @@ class ExpertCache:
         shared = None
         if hinted or terms is not None:  # the side stream's work, joined before the wait
             torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+        side_fold = fold if ho is None else None  # the side's add writes the output last
         if terms is not None:
             shared = _fold(side, terms, ho)
             if shared is None:
-                y = side.finish(y, terms)
+                y = side.finish(y, terms, side_fold)
         elif side is not None:  # before the wait: off the critical path when the CPU is
-            y = side(y)
+            y = side(y, side_fold)
         if ho is not None:
             with record_function("moe.cpu"):
                 y = ho.receive(y, shared, fold)

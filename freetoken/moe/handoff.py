@@ -234,7 +234,7 @@ class Handoff:
         only: the shared expert's (sh, x, gate row or None) added in the same launch, with the
         bits of its own launch before (`kernels/triton/handoff.receive_add`). fold: the
         residual step after it (`kernels/norm.py` NormFold), computed in the same launch on
-        a GPU (with a shared expert where `handoff.shared_folds`; the output then carries
+        a GPU (with a shared expert where `glu.gate_folds`; the output then carries
         it), else ignored."""
         if self.seq is not None:
             from freetoken.kernels.triton.handoff import receive_add

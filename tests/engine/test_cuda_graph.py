@@ -183,25 +183,29 @@ def test_folded_residual_steps_give_the_unfolded_tokens(backend, dtype, monkeypa
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shared_receive_folds_give_the_unfolded_tokens(dtype, monkeypatch):
-    """qwen3.5-moe layers (a shared expert added in the receive of the CPU's answer) offer
-    the next residual step too: the hybrid backend on the 35B shape (4 layers) gives the
-    separate RMSNorm launches' greedy tokens, graphed and overlapped, and an eager forward
-    launches the RMSNorm kernel once per layer fewer (the prompt's forward and the decode
-    step both fold: 5 tokens are a hand-off's decode size)."""
+@pytest.mark.parametrize("backend,dtype", [("hybrid", "float32"), ("hybrid", "bfloat16"),
+                                           ("fused", "bfloat16")])
+def test_shared_expert_folds_give_the_unfolded_tokens(backend, dtype, monkeypatch):
+    """qwen3.5-moe layers (a shared expert and its gate added last: in the receive of the
+    CPU's answer, hybrid; in the gated add's kernel, fused) offer the next residual step too:
+    the 35B shape (4 layers) gives the separate RMSNorm launches' greedy tokens, graphed and
+    overlapped, and an eager forward launches the RMSNorm kernel once per layer fewer (the
+    5-token prompt's forward and the decode step both fold)."""
     from freetoken.kernels.triton import norm as tnorm
 
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
-    kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, dtype=dtype, moe_backend="hybrid",
-              moe_cache_rate=0.25, max_running_requests=4)
+    kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, dtype=dtype, moe_backend=backend,
+              max_running_requests=4)
+    if backend == "hybrid":
+        kw.update(moe_cache_rate=0.25)
     runs, launches = {}, {}
     real = tnorm.rms_norm_triton
     for fold in ("0", "1"):
         monkeypatch.setenv("FREETOKEN_GPU_NORM_FOLD", fold)
         eng = dummy_engine(**kw)
         runs[fold] = generate(eng, params)
-        eng.moe.close()
+        if eng.moe is not None:
+            eng.moe.close()
         eager = dummy_engine(disable_cuda_graph=True, disable_overlap_schedule=True, **kw)
         calls = []
         monkeypatch.setattr(tnorm, "rms_norm_triton",
@@ -209,7 +213,8 @@ def test_shared_receive_folds_give_the_unfolded_tokens(dtype, monkeypatch):
         generate(eager, [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)])
         monkeypatch.setattr(tnorm, "rms_norm_triton", real)
         launches[fold] = len(calls)
-        eager.moe.close()
+        if eager.moe is not None:
+            eager.moe.close()
     assert runs["1"] == runs["0"]
     assert launches["0"] - launches["1"] == 2 * 4, launches
 

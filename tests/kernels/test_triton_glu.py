@@ -69,6 +69,43 @@ def test_gated_add(dtype: torch.dtype, hidden: int) -> None:
     _close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("quantize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,hidden", [(1, 1120), (3, 320), (2, 160)])  # 160: no fold
+def test_gated_add_folds_the_next_residual_step(T, hidden, dtype, quantize, monkeypatch):
+    """The gated add with a fold (the fused backend's last kernel of a qwen3.5-moe layer)
+    gives the plain gated add's sum bit for bit and carries the RMSNorm kernel's (y, s,
+    codes) of it, which `add_rms_norm` returns; rows whose norm takes other warps than the
+    gate (`gate_folds`) are not folded."""
+    from freetoken.kernels import norm, xq
+    from freetoken.kernels.triton.glu import gate_folds
+    from freetoken.kernels.triton.norm import rms_norm_triton
+
+    if quantize and DEV == "cpu":
+        monkeypatch.setattr(xq, "wanted", lambda x: True)
+    gen = torch.Generator().manual_seed(T + hidden)
+    y, sh, x, res = ((torch.randn(T, hidden, generator=gen) * 2).to(dtype).to(DEV)
+                     for _ in range(4))
+    w = (torch.randn(hidden, generator=gen) * 0.1).to(dtype).to(DEV)
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(DEV)
+    fold = norm.NormFold(res, weight, 1e-6, quantize)
+    got = gated_add_triton(y, sh, x, w, fold)
+    want = gated_add_triton(y, sh, x, w)
+    assert torch.equal(got, want)
+    folded = xq.tagged(got, norm._FOLDED) is not None
+    assert folded == gate_folds(hidden) == (hidden > 256)
+    fy, fs = norm.add_rms_norm(got, res, weight, 1e-6, quantize)
+    if folded:
+        ny, ns, nq = rms_norm_triton(want, weight, 1e-6, res,
+                                     quantize=quantize and xq.wanted(want))
+    else:
+        ny, ns = norm.add_rms_norm(want, res, weight, 1e-6, quantize)
+        nq = xq.attached(ny)
+    assert torch.equal(fy, ny) and torch.equal(fs, ns)
+    if nq is not None:
+        assert torch.equal(xq.attached(fy), nq)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sigmoid_gate(dtype: torch.dtype) -> None:
     """o * sigmoid(g) from strided views (the gate halves of q's projection), the gate rounded

@@ -97,6 +97,16 @@ CASES.update({
         dict(H=2048, GBLOCK=1024, GATE=g, QUANT=q, BLOCK=2048, ASM=True), ("eps",), 4)
     for g, q in ((True, True), (False, False))
 })
+# the fused backend's gated add of the shared expert with that step folded in (`glu.
+# gated_add_triton(fold=)`), the 35B's width, with and without the codes
+CASES.update({
+    f"gated-add-norm-quant{q}": (
+        "freetoken.kernels.triton.glu", "_gated_add_norm_kernel",
+        {"y_ptr": _BF, "sh_ptr": _BF, "x_ptr": _BF, "w_ptr": _BF, "out_ptr": _BF,
+         "res_ptr": _BF, "nw_ptr": "*fp32", "ny_ptr": _BF, "ns_ptr": _BF, "nq_ptr": "*i32"},
+        dict(H=2048, GBLOCK=1024, QUANT=q, BLOCK=2048), ("eps",), 4)
+    for q in (False, True)
+})
 # the next layer's hint for the CPU worker's warming (`handoff.post_hint`): one token of the
 # 30B (128 experts), eight of the 35B (256 experts)
 CASES.update({

@@ -445,7 +445,8 @@ def test_shared_receive_folds_the_next_residual_step(T, hidden, gated, dtype, qu
     which `add_rms_norm` returns without a launch; where the row's norm takes other warps
     than the gate's, the fold is ignored and `add_rms_norm` computes the step itself."""
     from freetoken.kernels import norm, xq
-    from freetoken.kernels.triton.handoff import receive_add, shared_folds
+    from freetoken.kernels.triton.glu import gate_folds
+    from freetoken.kernels.triton.handoff import receive_add
     from freetoken.kernels.triton.norm import rms_norm_triton
 
     if quantize and DEV == "cpu":
@@ -461,7 +462,7 @@ def test_shared_receive_folds_the_next_residual_step(T, hidden, gated, dtype, qu
     want = receive_add(y, seq, buf, off, waits, (sh, x, w))
     assert torch.equal(got, want)
     folded = xq.tagged(got, norm._FOLDED) is not None
-    assert folded == shared_folds(hidden) == (hidden > 256)
+    assert folded == gate_folds(hidden) == (hidden > 256)
     fy, fs = norm.add_rms_norm(got, res, weight, 1e-6, quantize)
     if folded:
         ny, ns, nq = rms_norm_triton(want, weight, 1e-6, res,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
 from freetoken.kernels.triton.moe_grouped import glu
+from freetoken.kernels.triton.norm import norm_row, norm_warps
 
 _ACT = {"silu": 0, "gelu_tanh": 1}
 
@@ -42,6 +43,15 @@ def gate_block(hidden: int) -> int:
 
 
 GATE_WARPS = 4
+
+
+def gate_folds(hidden: int) -> bool:
+    """Whether a kernel that adds the gated shared expert can also compute the next residual
+    step (`kernels/norm.py`: folding) of rows of `hidden` values: a program a token holding
+    its row runs the gate's reduction (`sigmoid_dot`, GATE_WARPS warps) and the RMSNorm
+    kernel's, so it must run with the warps the RMSNorm kernel takes for that row (the
+    reductions' order follows the warps): rows of 257 to 2048 values."""
+    return norm_warps(triton.next_power_of_2(hidden)) == GATE_WARPS
 
 
 @triton.jit
@@ -82,6 +92,26 @@ def _gated_add_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, stride_y, stride_sh,
                  mask=ok)
 
 
+@triton.jit
+def _gated_add_norm_kernel(y_ptr, sh_ptr, x_ptr, w_ptr, out_ptr, res_ptr, nw_ptr, ny_ptr,
+                           ns_ptr, nq_ptr, stride_y, stride_sh, stride_x, stride_o, stride_r,
+                           stride_ny, stride_ns, stride_nq, eps, H: tl.constexpr,
+                           GBLOCK: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    """Program t: token t's row of `_gated_add_kernel` (its gate in chunks of GBLOCK), then the
+    residual step that takes it next with the RMSNorm kernel's arithmetic (`norm.norm_row`).
+    Launched with GATE_WARPS warps (`gate_folds`) and without FP fusion (the codes')."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    gate = sigmoid_dot(x_ptr + t * stride_x, w_ptr, H, GBLOCK)
+    y = tl.load(y_ptr + t * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sh_ptr + t * stride_sh + cols, mask=ok, other=0.0).to(tl.float32)
+    o = gated_sum(y, gate, s).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_o + cols, o, mask=ok)
+    norm_row(o, res_ptr + t * stride_r, nw_ptr, ny_ptr + t * stride_ny, ns_ptr + t * stride_ns,
+             nq_ptr + t * stride_nq, cols, ok, H, eps, True, QUANT, BLOCK)
+
+
 def glu_triton(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
     """gu [T, 2 inter] (unit stride in the last dim) -> act(gu[:, :I]) * gu[:, I:] [T, I]."""
     T = gu.shape[0]
@@ -94,10 +124,26 @@ def glu_triton(gu: torch.Tensor, inter: int, act: str) -> torch.Tensor:
 
 
 def gated_add_triton(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
-                     w: torch.Tensor) -> torch.Tensor:
-    """y, sh, x [T, H] (unit stride in H), w [H] -> y + sigmoid(x . w) * sh in y's dtype."""
+                     w: torch.Tensor, fold=None) -> torch.Tensor:
+    """y, sh, x [T, H] (unit stride in H), w [H] -> y + sigmoid(x . w) * sh in y's dtype.
+    fold (`kernels/norm.py` NormFold, for rows `gate_folds` takes, else ignored): the
+    residual step that takes the sum next, computed in the same launch (the output carries
+    it: `norm.fold_done`)."""
     T, H = y.shape
     out = torch.empty_like(y)
+    if T and fold is not None and gate_folds(H):
+        from freetoken.kernels.norm import fold_buffers, fold_done
+
+        ny, ns, nq = fold_buffers(fold)
+        r = fold.residual
+        nq_ = nq if nq is not None else ny
+        _gated_add_norm_kernel[(T,)](
+            y, sh, x, w, out, r, fold.weight, ny, ns, nq_, y.stride(0), sh.stride(0),
+            x.stride(0), out.stride(0), r.stride(0), ny.stride(0), ns.stride(0), nq_.stride(0),
+            fold.eps, H=H, GBLOCK=gate_block(H), QUANT=nq is not None,
+            BLOCK=triton.next_power_of_2(H), num_warps=GATE_WARPS,
+            enable_fp_fusion=False)  # the codes as the RMSNorm kernel's
+        return fold_done(out, fold, ny, ns, nq)
     if T:
         _gated_add_kernel[(T,)](y, sh, x, w, out, y.stride(0), sh.stride(0), x.stride(0),
                                 out.stride(0), H=H, BLOCK=gate_block(H), num_warps=GATE_WARPS)

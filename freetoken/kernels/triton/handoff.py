@@ -34,7 +34,13 @@ import triton.language as tl
 
 from freetoken.kernels.norm import fold_buffers, fold_done
 from freetoken.kernels.triton import interpreting
-from freetoken.kernels.triton.glu import GATE_WARPS, gate_block, gated_sum, sigmoid_dot
+from freetoken.kernels.triton.glu import (
+    GATE_WARPS,
+    gate_block,
+    gate_folds,
+    gated_sum,
+    sigmoid_dot,
+)
 from freetoken.kernels.triton.norm import norm_row, norm_warps
 
 TIMEOUT_S = 30.0  # a hand-off answered later than this is an error (the worker died or hung)
@@ -359,14 +365,14 @@ def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
     fold (`kernels/norm.py` NormFold): the residual step that takes the sum next, computed
     in the same launch (a program per token holding its row; the output carries it:
     `norm.fold_done`); with `shared`, where the RMSNorm kernel's warps for the row are the
-    gate's (`shared_folds`), else ignored."""
+    gate's (`glu.gate_folds`), else ignored."""
     y = y.contiguous()
     out = torch.empty_like(y)
     wait = (seq, buf.view(torch.int32), buf.view(torch.float32), off["done"] // 4,
             off["timeout"] // 4, off["out"] // 4)
     timeout_ns = int(TIMEOUT_S * 1e9)
     T, H = y.shape
-    if fold is not None and (shared is None or shared_folds(H)):
+    if fold is not None and (shared is None or gate_folds(H)):
         ny, ns, nq = fold_buffers(fold)
         r = fold.residual
         nq_ = nq if nq is not None else ny
@@ -402,14 +408,6 @@ def receive_add(y: torch.Tensor, seq: torch.Tensor, buf: torch.Tensor, off: dict
         x.stride(0), timeout_ns, waits, H=H, BLOCK=block, GATE=w is not None,
         ASM=not interpreting(), num_warps=GATE_WARPS)
     return out
-
-
-def shared_folds(hidden: int) -> bool:
-    """Whether the receive that adds a shared expert can also fold the next residual step
-    for rows of `hidden` values: a program a token holding its row runs the gate's reduction
-    (`glu.sigmoid_dot`, GATE_WARPS warps) and the RMSNorm kernel's, which must run with the
-    warps the RMSNorm kernel takes for that row (the reductions' order follows the warps)."""
-    return norm_warps(triton.next_power_of_2(hidden)) == GATE_WARPS
 
 
 def _check_shared(y: torch.Tensor, sh: torch.Tensor, x: torch.Tensor,
