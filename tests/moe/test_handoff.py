@@ -22,6 +22,7 @@ import os
 
 import pytest
 import torch
+import util
 
 if not torch.cuda.is_available():  # NOTE: read when the kernels are decorated (first import)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -447,7 +448,6 @@ def test_shared_receive_folds_the_next_residual_step(T, hidden, gated, dtype, qu
     from freetoken.kernels import norm, xq
     from freetoken.kernels.triton.glu import gate_folds
     from freetoken.kernels.triton.handoff import receive_add
-    from freetoken.kernels.triton.norm import rms_norm_triton
 
     if quantize and DEV == "cpu":
         monkeypatch.setattr(xq, "wanted", lambda x: True)
@@ -460,17 +460,6 @@ def test_shared_receive_folds_the_next_residual_step(T, hidden, gated, dtype, qu
     buf, off, seq, waits = _answered(T, hidden, 9)
     got = receive_add(y, seq, buf, off, waits, (sh, x, w), fold)
     want = receive_add(y, seq, buf, off, waits, (sh, x, w))
-    assert torch.equal(got, want)
-    folded = xq.tagged(got, norm._FOLDED) is not None
-    assert folded == gate_folds(hidden) == (hidden > 256)
-    fy, fs = norm.add_rms_norm(got, res, weight, 1e-6, quantize)
-    if folded:
-        ny, ns, nq = rms_norm_triton(want, weight, 1e-6, res,
-                                     quantize=quantize and xq.wanted(want))
-    else:  # the step as any other sum gets it (on the CPU not the Triton kernel)
-        ny, ns = norm.add_rms_norm(want, res, weight, 1e-6, quantize)
-        nq = xq.attached(ny)
-    assert torch.equal(fy, ny) and torch.equal(fs, ns)
-    if nq is not None:
-        assert torch.equal(xq.attached(fy), nq)
+    assert util.check_folded_step(got, want, res, weight, quantize) == gate_folds(hidden)
+    assert gate_folds(hidden) == (hidden > 256)
     assert waits.tolist() == [0, 2]
