@@ -61,6 +61,21 @@ def cpu_moe_no_avx512vnni() -> bool:
     return _flag("FREETOKEN_CPU_MOE_NO_AVX512VNNI")
 
 
+# Switches that were removed, and why: set, they are refused, not ignored (a switch that does
+# nothing would make an A/B compare a build with itself).
+REMOVED_SWITCHES = {
+    "FREETOKEN_CPU_MOE_NO_GFNI": "the Q4_K dot no longer uses GFNI (its kernel of a lane per "
+                                 "half sub-block has no nibble transform to switch); unset it",
+}
+
+
+def refuse_removed() -> None:
+    """ValueError naming the first removed switch (REMOVED_SWITCHES) that is set."""
+    for name, why in REMOVED_SWITCHES.items():
+        if os.environ.get(name):
+            raise ValueError(f"{name} was removed: {why}")
+
+
 def cpu_moe_hugepages() -> bool:
     """FREETOKEN_CPU_MOE_HUGEPAGES=0: do not ask for transparent huge pages for host weights."""
     return _unless_off("FREETOKEN_CPU_MOE_HUGEPAGES")
@@ -228,7 +243,6 @@ def cache_dir() -> str | None:
 # Read by the C++ executor itself (once per process); listed here so every switch is in one place.
 CPU_MOE_NATIVE_SWITCHES = {
     "FREETOKEN_CPU_MOE_NO_VBMI": "1: use the vpshufb 512-bit kernel, not the vpermb (VBMI) one",
-    "FREETOKEN_CPU_MOE_NO_GFNI": "1: the Q4_K one-token dot without GFNI nibble moves (same bits)",
     "FREETOKEN_CPU_MOE_PIN": "0: do not pin executor threads to CPUs",
     "FREETOKEN_CPU_MOE_SPIN_US": "microseconds an idle worker spins before sleeping (1000)",
     "FREETOKEN_CPU_MOE_SPIN_PAUSE": "one pause instruction every N polls while spinning (0: none)",

@@ -296,6 +296,8 @@ const Kernels& kernels_avx2();        // AVX2 + FMA + F16C: fp32 W4A16 NVFP4
 const Kernels& kernels_avx2_vnni();   // + AVX-VNNI: 256-bit W4A8 NVFP4
 const Kernels& kernels_avx512();      // AVX-512 F/BW/VL/DQ: fp32 W4A16 NVFP4
 const Kernels& kernels_avx512_vnni(); // + AVX-512 VNNI: 512-bit W4A8 NVFP4
+// The AVX-512 tier's Q8_32 activation quant (the VNNI tier's Q4_K layout starts from it).
+void q8_32_prep_avx512(const float* x, int64_t K, uint8_t* out);
 // The 512-bit W4A8 NVFP4 dot with vpermb (AVX-512 VBMI CPUs only).
 void nvfp4_dot_avx512_vbmi(const Bank& w, int64_t e, int64_t r0, int64_t nrows,
                            const uint8_t* const* acts, int ntok, float* out, int64_t os,

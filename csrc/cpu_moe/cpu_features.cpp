@@ -43,7 +43,6 @@ CpuFeatures detect_cpu() {
   const bool avx2 = b & (1u << 5);
   const bool a512f = b & (1u << 16), a512dq = b & (1u << 17), a512bw = b & (1u << 30);
   const bool a512vl = b & (1u << 31), a512vnni = c & (1u << 11), a512vbmi = c & (1u << 1);
-  const bool gfni = c & (1u << 8);
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   const bool avxvnni = a1 & (1u << 4);
@@ -52,7 +51,6 @@ CpuFeatures detect_cpu() {
   f.avx512 = f.avx2 && zmm_os && a512f && a512dq && a512bw && a512vl;
   f.avx512_vnni = f.avx512 && a512vnni;
   f.avx512_vbmi = f.avx512 && a512vbmi;
-  f.gfni = f.avx512 && gfni;
   return f;
 }
 

@@ -13,7 +13,6 @@ struct CpuFeatures {
   bool avx512 = false;      // AVX-512 F/BW/VL/DQ, OS saves zmm + opmask state
   bool avx512_vnni = false;
   bool avx512_vbmi = false; // vpermb (byte permutes over 64 bytes)
-  bool gfni = false;        // GF(2^8) affine byte transforms (vgf2p8affineqb), with AVX-512
 };
 
 CpuFeatures detect_cpu();

@@ -75,7 +75,7 @@ static inline void q6k_half_codes(const uint8_t* blk, int h, __m256i V[4]) {
 }  // namespace gguf256
 
 // The 8 scales and 8 mins of a Q4_K super-block (llama.cpp's get_scale_min_k4, four words at
-// once); shared with the 512-bit Q4_K kernel.
+// once); shared with the row dequantizer (gguf_dequant256.h).
 static inline void q4k_scales_mins(const uint8_t* s12, uint8_t sc[8], uint8_t mn[8]) {
   uint32_t u[3];
   std::memcpy(u, s12, 12);

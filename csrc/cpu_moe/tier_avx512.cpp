@@ -94,6 +94,10 @@ struct MaddDp {
 
 }  // namespace avx512_tier
 
+void q8_32_prep_avx512(const float* x, int64_t K, uint8_t* out) {
+  avx512_tier::q8_32_prep_avx512(x, K, out);
+}
+
 const Kernels& kernels_avx512() {
   static const Kernels k = [] {
     Kernels t = avx512_tier::make_generic_table("avx512_fp32");

@@ -43,80 +43,13 @@ static void prep_nvfp4_q8(const float* x, int64_t K, uint8_t* out) {
 }
 
 // ---------------------------------------------------------------------------
-// GGUF Q4_K x int8 (the Q8_32 activation layout of common.h), vpdpbusd
+// GGUF integer formats, vpdpbusd
 // ---------------------------------------------------------------------------
-// A super-block is 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins of 8
-// sub-blocks of 32, 128 bytes of nibbles (32 bytes a group of 64 values: low nibbles the first
-// 32, high nibbles the next 32). Value = d * sc[s] * q - dmin * m[s]. Against int8 activations
-// with a scale da[s] and a sum sa[s] per 32: sum_s da[s] * (d * sc[s] * sum(q * a) - dmin * m[s]
-// * sa[s]). One 64-byte load of nibbles splits into low nibbles (sub-blocks 0 and 2 of its 128
-// values) and high nibbles (1 and 3): each the unsigned operand of a vpdpbusd against the
-// activations of those two sub-blocks, every int32 lane then belongs to one sub-block, and one
-// FMA with the lane's factor d * sc * da accumulates it. The mins go to a second accumulator.
-
-// The 256-bit GGUF kernels (gguf_dot256.h, also q4k_scales_mins) with the EVEX vpdpbusd on ymm.
+// The 256-bit GGUF kernels (gguf_dot256.h) with the EVEX vpdpbusd on ymm.
 struct EvexDp {
   static __m256i dp(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
 };
 #include "gguf_dot256.h"
-
-// One row against NT tokens; res[t * os].
-template <int NT>
-static inline void q4k_row(const uint8_t* row, int64_t K, const uint8_t* const* acts, float* res,
-                           int64_t os) {
-  const int64_t nsb = K / 256;
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
-  // lane -> sub-block of the 8: vector v holds sub-blocks (2v', ...) as below
-  const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i sel1 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m512i sel2 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-  const __m512i sel3 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-  // Two accumulator chains a token (low-nibble and high-nibble sub-blocks): one chain of four
-  // dependent FMAs per super-block bound the kernel by their latency.
-  __m512 acc[NT], acc2[NT];
-  __m256 accm[NT];
-  for (int t = 0; t < NT; ++t)
-    acc[t] = _mm512_setzero_ps(), acc2[t] = _mm512_setzero_ps(), accm[t] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nsb; ++b) {
-    const uint8_t* blk = row + b * 144;
-    __m256 dsc, dmn;
-    q4k_factors(blk, dsc, dmn);
-    const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
-    const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
-    const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
-    for (int t = 0; t < NT; ++t) {
-      const uint8_t* A = acts[t];
-      const uint8_t* aq = A + b * 256;
-      const float* ad = reinterpret_cast<const float*>(A + K) + b * 8;
-      const int32_t* as = reinterpret_cast<const int32_t*>(A + K + K / 8) + b * 8;
-      auto two = [aq](int lo, int hi) {  // activations of values [lo, lo+32) and [hi, hi+32)
-        return _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + lo))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + hi)), 1);
-      };
-      const __m256 da = _mm256_loadu_ps(ad);
-      const __m512 f = _mm512_castps256_ps512(_mm256_mul_ps(dsc, da));
-      const __m512i z = _mm512_setzero_si512();
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l0, two(0, 64))),
-                               _mm512_permutexvar_ps(sel0, f), acc[t]);
-      acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h0, two(32, 96))),
-                                _mm512_permutexvar_ps(sel1, f), acc2[t]);
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l1, two(128, 192))),
-                               _mm512_permutexvar_ps(sel2, f), acc[t]);
-      acc2[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h1, two(160, 224))),
-                                _mm512_permutexvar_ps(sel3, f), acc2[t]);
-      accm[t] = _mm256_fmadd_ps(_mm256_mul_ps(dmn, da),
-                                _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(as))),
-                                accm[t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) {
-    const __m128 m = _mm_add_ps(_mm256_castps256_ps128(accm[t]), _mm256_extractf128_ps(accm[t], 1));
-    const __m128 m2 = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    res[t * os] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t], acc2[t])) -
-                  _mm_cvtss_f32(_mm_add_ss(m2, _mm_movehdup_ps(m2)));
-  }
-}
 
 // The R-row Q4_K / Q5_K kernels' activation terms of super-block b: [da, da] (both halves the
 // 8 scales of the super-block) and [0, float(sa)] (the 8 sums in the upper half).
@@ -172,172 +105,181 @@ struct KHeaders {
     dd = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi32(k.dd_idx, H)));
   }
   [[gnu::always_inline]] __m512 factors(int r) const {
+    // lanes of dd for row r: [2r x 8, 2r + 1 x 8], from memory (as constants made in the
+    // loop they took three instructions a row)
+    alignas(64) static constexpr int32_t kDm[4][16] = {
+        {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1},
+        {2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3},
+        {4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5},
+        {6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7}};
     const __m512 DM = _mm512_permutexvar_ps(  // [d x 8, dmin x 8]
-        _mm512_inserti64x4(_mm512_set1_epi32(2 * r), _mm256_set1_epi32(2 * r + 1), 1),
-        _mm512_castps256_ps512(dd));
+        _mm512_load_si512(kDm[r]), _mm512_castps256_ps512(dd));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                              _mm_load_si128(reinterpret_cast<const __m128i*>(scm + 16 * r)))), DM);
   }
 };
 
-// R rows (`rb` bytes apart) against one token, res[i] for row i: q4k_row<1>'s arithmetic lane
-// for lane (the same products, FMA chains and final sums, so the same bits), with what it
-// spent per row and super-block done once for the R rows or in fewer instructions (one core,
-// L2, 30B expert shapes: 20 -> 27 GB/s at R = 4):
-// - the activations (four 2 x 32-byte loads) and their scales and sums, loaded once for R rows;
-// - the rows' headers unpacked together (KHeaders);
-// - d * sc and dmin * m in one 16-lane vector F, times [da, da] in one product fz: lanes 0-7
-//   are q4k_row's f = dsc * da, lanes 8-15 its dmn * da; the mins FMA runs on all 16 lanes
-//   against [0, float(sa)] and only lanes 8-15 are summed (k_mins_sum).
+// ---------------------------------------------------------------------------
+// GGUF Q4_K x int8: a lane per half sub-block, vpdpbusd
+// ---------------------------------------------------------------------------
+// A super-block is 256 values: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins of 8
+// sub-blocks of 32, 128 bytes of nibbles (group g of 32 bytes: byte k's low nibble is value k of
+// sub-block 2g, its high nibble value k of sub-block 2g + 1). Value = d * sc[s] * q - dmin *
+// m[s]; against int8 activations with a scale da[s] and a sum sa[s] per 32 (Q8_32): sum_s
+// da[s] * (d * sc[s] * sum(q * a) - dmin * m[s] * sa[s]).
+//
+// Int32 lane j of the dot holds half j % 2 (values 0-15 or 16-31) of sub-block j / 2 through
+// four vpdpbusd, as the NVFP4 dot holds a block a lane: one int -> float convert and one FMA per
+// super-block and row, where a lane per 4 values (the 256-bit kernels) takes four of each and a
+// factor shuffle per 64 values. The nibbles come to those lanes by one vpermt2d of the
+// super-block's two 64-byte loads per vector (vector v, lane j: dword 8 (j / 4) + 4 (j % 2) + v
+// of the 128 bytes) and one AND: low nibbles where j / 2 is even, high nibbles left in place
+// (16 q, 0..240) where it is odd, their factor divided by 16 (a power of two: the same products
+// to the bit, and 16 x 4 x 15 x 127 x 4 < 2^24 keeps the lane's integer exact in fp32). The
+// activations come in that order already (q4k_lanes_prep). One core, L2, K = 2048 (Emerald
+// Rapids, benchmarks/ab_cpu_dot_l2.py, 6 alternated rounds, median of each round's best):
+// 20.2 -> 23.7 GB/s against the lane-per-4-values kernel it replaced (a GFNI nibble split,
+// 4 rows a call). Without the headers' factors (a constant instead) it read 29 GB/s: a
+// quarter of the time is the 6-bit scales and mins (KHeaders, factors); precomputing the
+// factors of 8 super-blocks in a pass of their own, as the kernel before did, was slower here
+// (21.0 against 21.8 in the same session).
+
+// The Q4_K activations of this tier: Q8_32 (common.h) with each super-block's 256 int8 values
+// reordered for the lanes above: byte 64 v + 4 j + i holds value 16 (j % 2) + 4 v + i of
+// sub-block j / 2 (dword 16 v + j from dword 8 (j / 2) + 4 (j % 2) + v). The scales and sums
+// per 32 follow as in Q8_32.
+static void q4k_lanes_prep(const float* x, int64_t K, uint8_t* out) {
+  q8_32_prep_avx512(x, K, out);
+  __m512i idx[4];  // dwords 0-31 of the super-block for lanes 0-7, 32-63 for lanes 8-15
+  for (int v = 0; v < 4; ++v) {
+    alignas(64) int32_t ix[16];
+    for (int j = 0; j < 16; ++j) ix[j] = (8 * (j / 2) + 4 * (j % 2) + v) & 31;
+    idx[v] = _mm512_load_si512(ix);
+  }
+  for (int64_t b = 0; b < K / 256; ++b) {
+    uint8_t* q = out + 256 * b;
+    __m512i s[4], d[4];
+    for (int i = 0; i < 4; ++i) s[i] = _mm512_loadu_si512(q + 64 * i);
+    for (int v = 0; v < 4; ++v)
+      d[v] = _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(s[0], idx[v], s[1]),
+                                     _mm512_permutex2var_epi32(s[2], idx[v], s[3]));
+    for (int v = 0; v < 4; ++v) _mm512_storeu_si512(q + 64 * v, d[v]);
+  }
+}
+
+// The constants of the lane layout.
+struct Q4KLanes {
+  __m512i idx[4];  // vector v's dwords of [W0 | W1] (the super-block's nibble bytes)
+  __m512i mask;    // 0x0f in the lanes of even sub-blocks, 0xf0 in the odd ones'
+  __m512i dup;     // lane j <- lane j / 2: factors of sub-blocks to lanes
+  __m512 half;     // [1, 1/16] x 4 (lanes 0-7: the odd sub-blocks' 16 q), then 1 x 8 (the mins)
+  Q4KLanes() {
+    alignas(64) int32_t ix[16];
+    alignas(64) uint8_t mk[64];
+    alignas(64) float hf[16];
+    for (int v = 0; v < 4; ++v) {
+      for (int j = 0; j < 16; ++j) ix[j] = 8 * (j / 4) + 4 * (j % 2) + v;
+      idx[v] = _mm512_load_si512(ix);
+    }
+    for (int i = 0; i < 64; ++i) mk[i] = ((i / 4 / 2) % 2) ? 0xf0 : 0x0f;
+    mask = _mm512_load_si512(mk);
+    for (int j = 0; j < 16; ++j) ix[j] = j / 2;
+    dup = _mm512_load_si512(ix);
+    for (int j = 0; j < 16; ++j) hf[j] = (j < 8 && j % 2) ? 0.0625f : 1.0f;
+    half = _mm512_load_ps(hf);
+  }
+};
+
+// A row's super-block (144 bytes at blk) as the four unsigned vpdpbusd operands of the lanes.
+[[gnu::always_inline]] static inline void q4k_lane_codes(const uint8_t* blk, const Q4KLanes& c,
+                                                         __m512i P[4]) {
+  const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
+  for (int v = 0; v < 4; ++v)
+    P[v] = _mm512_and_si512(_mm512_permutex2var_epi32(w0, c.idx[v], w1), c.mask);
+}
+
+// One super-block of a row (codes P, factors F = [d sc, dmin m] of KHeaders) against one
+// token's activation (super-block b, its da2 scaled by Q4KLanes::half): acc and accm as
+// q4k_lanes_rows1 and q4k_lanes_row both take them, so their bits agree.
+[[gnu::always_inline]] static inline void q4k_lane_step(const __m512i P[4], __m512 F,
+                                                        const uint8_t* aq, __m512 dah, __m512 sa2,
+                                                        const Q4KLanes& c, __m512& acc,
+                                                        __m512& accm) {
+  __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), P[0], _mm512_loadu_si512(aq));
+  p = _mm512_dpbusd_epi32(p, P[1], _mm512_loadu_si512(aq + 64));
+  p = _mm512_dpbusd_epi32(p, P[2], _mm512_loadu_si512(aq + 128));
+  p = _mm512_dpbusd_epi32(p, P[3], _mm512_loadu_si512(aq + 192));
+  const __m512 fz = _mm512_mul_ps(F, dah);  // [d sc da (/16 odd), dmin m da]
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(c.dup, fz), acc);
+  accm = _mm512_fmadd_ps(fz, sa2, accm);
+}
+
+static inline float q4k_lane_sum(__m512 acc, __m512 accm) {
+  return _mm512_reduce_add_ps(acc) - k_mins_sum(accm);
+}
+
+// R rows (`rb` bytes apart) against one token, res[i] for row i; the activations' scales and
+// sums and the rows' headers (KHeaders) once per super-block for the R rows.
 template <int R>
-static inline void q4k_rows1(const uint8_t* row0, int64_t rb, int64_t K, const uint8_t* A,
-                             float* res, const SpreadPrefetch<R>& pf) {
+static inline void q4k_lanes_rows1(const uint8_t* row0, int64_t rb, int64_t K, const uint8_t* A,
+                                   float* res, const SpreadPrefetch<R>& pf) {
   const int64_t nsb = K / 256;
   const KHeaderConsts kh;
-  const __m512i m4 = _mm512_set1_epi8(0x0f);
-  const __m512i sel0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-  const __m512i sel1 = _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m512i sel2 = _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6);
-  const __m512i sel3 = _mm512_setr_epi32(5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-  const __m512i z = _mm512_setzero_si512();
-  __m512 acc[R], acc2[R], accm[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
-    acc2[r] = _mm512_setzero_ps();
-    accm[r] = _mm512_setzero_ps();
-  }
+  const Q4KLanes c;
+  __m512 acc[R], accm[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = accm[r] = _mm512_setzero_ps();
   auto pfs = pf.steps(nsb);
   for (int64_t b = 0; b < nsb; ++b) {
     pfs.step();
-    const uint8_t* aq = A + b * 256;
-    auto two = [aq](int lo, int hi) {  // activations of values [lo, lo+32) and [hi, hi+32)
-      return _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + lo))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + hi)), 1);
-    };
-    const __m512i a0 = two(0, 64), a1 = two(32, 96), a2 = two(128, 192), a3 = two(160, 224);
-    const __m512 da2 = k_da2(A, K, b), sa2 = k_sa2(A, K, b);
+    const __m512 dah = _mm512_mul_ps(k_da2(A, K, b), c.half), sa2 = k_sa2(A, K, b);
     const uint8_t* blk0 = row0 + b * 144;
     const KHeaders<R> hd(blk0, rb, kh);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 fz = _mm512_mul_ps(hd.factors(r), da2);
-      const uint8_t* blk = blk0 + r * rb;
-      const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
-      const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
-      const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l0, a0)),
-                               _mm512_permutexvar_ps(sel0, fz), acc[r]);
-      acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h0, a1)),
-                                _mm512_permutexvar_ps(sel1, fz), acc2[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, l1, a2)),
-                               _mm512_permutexvar_ps(sel2, fz), acc[r]);
-      acc2[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(z, h1, a3)),
-                                _mm512_permutexvar_ps(sel3, fz), acc2[r]);
-      accm[r] = _mm512_fmadd_ps(fz, sa2, accm[r]);
+      __m512i P[4];
+      q4k_lane_codes(blk0 + r * rb, c, P);
+      q4k_lane_step(P, hd.factors(r), A + b * 256, dah, sa2, c, acc[r], accm[r]);
     }
   }
-  for (int r = 0; r < R; ++r)  // q4k_row's sums: the same trees
-    res[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], acc2[r])) - k_mins_sum(accm[r]);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) res[r] = q4k_lane_sum(acc[r], accm[r]);
 }
 
-// q4k_rows1 where the CPU has GFNI (one core, L2, K = 2048, against q4k_rows1: +8%; in L1 +11%;
-// the same layout with a shift and a mask for the nibbles was 4-8% slower than q4k_rows1, so
-// CPUs without GFNI keep it). The same products, FMA chains and sums, so the same bits; what
-// differs is where they sit and how they are made:
-// - vector g (g < 4) is group g's 32 nibble bytes broadcast to both halves (a load, no shuffle)
-//   and one vgf2p8affineqb with a matrix a qword (the low 4 qwords keep bits 0-3, the high 4
-//   move bits 4-7 down), so lanes 0-7 hold sub-block 2g and lanes 8-15 sub-block 2g + 1; the
-//   activations are the 64 bytes of values 64g .. 64g + 63 as they lie (no inserts). Two
-//   chains a row: acc[r][0] = [q4k_row's chain of sub-blocks 0, 4 | of 1, 5] (groups 0, 2),
-//   acc[r][1] = [2, 6 | 3, 7] (groups 1, 3), each lane taking the FMAs it took there in the
-//   same order; the row's sum (c0 + c1) + (c2 + c3), then hsum8, is the tree
-//   _mm512_reduce_add_ps(acc + acc2) makes there.
-// - vpdpbusd into a zero idiom (vpxord) rather than a register copy of a zero.
-// - the rows' factors fz = [d sc da, dmin m da] of up to 8 super-blocks are made before those
-//   super-blocks' dots (a pass of their own into a stack buffer, read back by the FMAs): in the
-//   dot loop their chain of header load, shuffles, store, reload, convert and two products per
-//   super-block held the dots' instructions back.
-#pragma GCC push_options
-#pragma GCC target("gfni")
-template <int R>
-static void q4k_rows1_gfni(const uint8_t* row0, int64_t rb, int64_t K, const uint8_t* A,
-                           float* res, const SpreadPrefetch<R>& pf) {
+// One row against NT tokens; res[t * os]: each row's codes and factors once for the tokens.
+template <int NT>
+static inline void q4k_lanes_row(const uint8_t* row, int64_t K, const uint8_t* const* acts,
+                                 float* res, int64_t os) {
   const int64_t nsb = K / 256;
   const KHeaderConsts kh;
-  const __m512i gfm = _mm512_inserti64x4(_mm512_set1_epi64(0x0102040800000000LL),
-                                         _mm256_set1_epi64x(0x1020408000000000LL), 1);
-  __m512i sel[4];  // vector g's lanes: factor 2g (lanes 0-7), 2g + 1 (8-15)
-  for (int g = 0; g < 4; ++g)
-    sel[g] = _mm512_inserti64x4(_mm512_set1_epi32(2 * g), _mm256_set1_epi32(2 * g + 1), 1);
-  __m512 acc[R][2], accm[R];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = accm[r] = _mm512_setzero_ps();
-  constexpr int kChunk = 8;
-  alignas(64) float fzb[kChunk][R][16];
-  auto pfs = pf.steps(nsb);
-  for (int64_t b0 = 0; b0 < nsb; b0 += kChunk) {
-    const int nb = static_cast<int>(std::min<int64_t>(kChunk, nsb - b0));
-    for (int i = 0; i < nb; ++i) {  // the factors (q4k_rows1's fz)
-      const int64_t b = b0 + i;
-      const __m512 da2 = k_da2(A, K, b);
-      const KHeaders<R> hd(row0 + b * 144, rb, kh);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) _mm512_store_ps(fzb[i][r], _mm512_mul_ps(hd.factors(r), da2));
-    }
-    for (int i = 0; i < nb; ++i) {
-      const int64_t b = b0 + i;
-      pfs.step();
-      __m512i a[4];
-      for (int g = 0; g < 4; ++g) a[g] = _mm512_loadu_si512(A + b * 256 + 64 * g);
-      const __m512 sa2 = k_sa2(A, K, b);
-      const uint8_t* blk0 = row0 + b * 144;
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512 fz = _mm512_load_ps(fzb[i][r]);
-        const uint8_t* blk = blk0 + r * rb;
-#pragma GCC unroll 4
-        for (int g = 0; g < 4; ++g) {
-          const __m512i w = _mm512_broadcast_i64x4(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g)));
-          const __m512i q = _mm512_gf2p8affine_epi64_epi8(w, gfm, 0);
-          __m512i p;
-          asm("vpxord %0, %0, %0\n\tvpdpbusd %2, %1, %0" : "=&v"(p) : "v"(q), "v"(a[g]));
-          __m512& c = acc[r][g % 2];
-          c = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(sel[g], fz), c);
-        }
-        accm[r] = _mm512_fmadd_ps(fz, sa2, accm[r]);
-      }
+  const Q4KLanes c;
+  __m512 acc[NT], accm[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nsb; ++b) {
+    const uint8_t* blk = row + b * 144;
+    const KHeaders<1> hd(blk, 0, kh);
+    const __m512 F = hd.factors(0);
+    __m512i P[4];
+    q4k_lane_codes(blk, c, P);
+    for (int t = 0; t < NT; ++t) {
+      const uint8_t* A = acts[t];
+      q4k_lane_step(P, F, A + b * 256, _mm512_mul_ps(k_da2(A, K, b), c.half), k_sa2(A, K, b), c,
+                    acc[t], accm[t]);
     }
   }
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-    const __m256 c01 = _mm256_add_ps(_mm512_castps512_ps256(acc[r][0]),
-                                     _mm512_extractf32x8_ps(acc[r][0], 1));
-    const __m256 c23 = _mm256_add_ps(_mm512_castps512_ps256(acc[r][1]),
-                                     _mm512_extractf32x8_ps(acc[r][1], 1));
-    res[r] = hsum8(_mm256_add_ps(c01, c23)) - k_mins_sum(accm[r]);
-  }
+  for (int t = 0; t < NT; ++t) res[t * os] = q4k_lane_sum(acc[t], accm[t]);
 }
-#pragma GCC pop_options
 
 struct Q4KRow {
   template <int NT>
   static void run(const Bank& w, int64_t e, int64_t r, const uint8_t* const* acts, float* res,
                   int64_t os) {
-    q4k_row<NT>(w.row(e, r), w.K, acts, res, os);
+    q4k_lanes_row<NT>(w.row(e, r), w.K, acts, res, os);
   }
   template <int R>
   static void rows1(const Bank& w, int64_t e, int64_t r, const uint8_t* act, float* res,
                     const SpreadPrefetch<R>& pf) {
-    q4k_rows1<R>(w.row(e, r), w.row_bytes, w.K, act, res, pf);
-  }
-};
-
-struct Q4KRowGfni : Q4KRow {  // q4k_rows1_gfni at one token
-  template <int R>
-  static void rows1(const Bank& w, int64_t e, int64_t r, const uint8_t* act, float* res,
-                    const SpreadPrefetch<R>& pf) {
-    q4k_rows1_gfni<R>(w.row(e, r), w.row_bytes, w.K, act, res, pf);
+    q4k_lanes_rows1<R>(w.row(e, r), w.row_bytes, w.K, act, res, pf);
   }
 };
 
@@ -504,13 +446,11 @@ bool switched_on(const char* name) {
 }
 }  // namespace
 
-// The vpermb dot where the CPU has AVX-512 VBMI, unless FREETOKEN_CPU_MOE_NO_VBMI=1; Q4_K at
-// one token by q4k_rows1_gfni where the CPU has GFNI (the same bits as q4k_rows1), unless
-// FREETOKEN_CPU_MOE_NO_GFNI=1 (both read at each call, so every executor built afterwards
-// follows them).
+// The vpermb dot where the CPU has AVX-512 VBMI, unless FREETOKEN_CPU_MOE_NO_VBMI=1 (read at
+// each call, so every executor built afterwards follows it).
 const Kernels& kernels_avx512_vnni() {
   const CpuFeatures cpu = detect_cpu();
-  auto make = [](DotFn dot, bool gfni) {
+  auto make = [](DotFn dot) {
     Kernels t = kernels_avx512();
     t.name = "avx512_vnni";
     t.fmt[static_cast<int>(Fmt::NVFP4)] =  // the W4A8 dot; the row decoder stays
@@ -523,21 +463,15 @@ const Kernels& kernels_avx512_vnni() {
     // once for the 4) was no faster (1 core, L2, Zen 5: 43 vs 43 GB/s): it has no header to
     // unpack, and its loads of the activations were memory operands of vpdpbusd anyway.
     avx512_vnni_tier::gguf256::set_dots<avx512_vnni_tier::EvexDp>(t);
-    t.fmt[static_cast<int>(Fmt::Q4_K)].dot =
-        gfni ? dot_rows_by_token_groups<avx512_vnni_tier::Q4KRowGfni, 4>
-             : dot_rows_by_token_groups<avx512_vnni_tier::Q4KRow, 4>;
+    t.fmt[static_cast<int>(Fmt::Q4_K)].prep = avx512_vnni_tier::q4k_lanes_prep;
+    t.fmt[static_cast<int>(Fmt::Q4_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q4KRow, 4>;
     t.fmt[static_cast<int>(Fmt::Q6_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q6KRow>;
     t.fmt[static_cast<int>(Fmt::Q5_K)].dot = dot_rows_by_token_groups<avx512_vnni_tier::Q5KRow, 4>;
     return t;
   };
-  static const Kernels plain = make(dot512::dot_nvfp4<false>, false);
-  static const Kernels vbmi = make(nvfp4_dot_avx512_vbmi, false);
-  static const Kernels plain_gfni = make(dot512::dot_nvfp4<false>, true);
-  static const Kernels vbmi_gfni = make(nvfp4_dot_avx512_vbmi, true);
-  const bool use_vbmi = cpu.avx512_vbmi && !switched_on("FREETOKEN_CPU_MOE_NO_VBMI");
-  const bool use_gfni = cpu.gfni && !switched_on("FREETOKEN_CPU_MOE_NO_GFNI");
-  if (use_gfni) return use_vbmi ? vbmi_gfni : plain_gfni;
-  return use_vbmi ? vbmi : plain;
+  static const Kernels plain = make(dot512::dot_nvfp4<false>);
+  static const Kernels vbmi = make(nvfp4_dot_avx512_vbmi);
+  return cpu.avx512_vbmi && !switched_on("FREETOKEN_CPU_MOE_NO_VBMI") ? vbmi : plain;
 }
 
 }  // namespace ft

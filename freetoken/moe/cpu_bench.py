@@ -8,9 +8,10 @@ Measured in one run, per tier:
 - one NVFP4 dot on all threads from DRAM (a matrix several times larger than the last-level
   cache), PASSES runs of one sweep each;
 - whole layers (bytes of the experts touched, block scales included, / time) for three NVFP4
-  shapes and the first one as a GGUF Q4_K_M file stores its experts (Q4_K gate/up, Q6_K down)
-  at batch 1, 2, 4, 8, cycling through enough layers that the weights come from DRAM, LAYER_RUNS
-  runs of MIN_SECONDS each with fresh routing;
+  shapes, Qwen3-30B-A3B's with every expert Q4_K, and the first one as a GGUF Q4_K_M file
+  stores its experts (Q4_K gate/up, Q6_K down) at batch 1, 2, 4, 8, cycling through enough
+  layers that the weights come from DRAM, LAYER_RUNS runs of MIN_SECONDS each with fresh
+  routing;
 - the streaming-read ceiling: AVX-512 streaming loads (AVX2 where absent) on all threads over
   the DRAM buffer, with each software-prefetch setting of CEILING_PREFETCH (the dots' own
   included), the best of PASSES sweeps each, at the start.
@@ -60,7 +61,11 @@ SHAPES = (
     LayerShape("2048x512 top8", 2048, 512, 8, 256, "Qwen3.6-35B-A3B"),
     LayerShape("2560x640 top10", 2560, 640, 10, 512, "Qwen3-Next-like (Qwen3.8-Flash-Next)"),
     LayerShape("2816x704 top8", 2816, 704, 8, 128, "Gemma-4-26B-A4B"),
-    # the experts of a llama.cpp Q4_K_M file: Q4_K gate/up, Q6_K down
+    # every expert Q4_K (the dummy q4_k model of the 30B bars; llama.cpp's Q4_K_S)
+    LayerShape("2048x768 top8 Q4_K", 2048, 768, 8, 128, "Qwen3-30B-A3B, GGUF Q4_K",
+               ("Q4_K", "Q4_K")),
+    # the experts of a llama.cpp Q4_K_M file: Q4_K gate/up, Q6_K down (kept last: the tests'
+    # small run takes the first shape and this one)
     LayerShape("2048x512 top8 Q4_K_M", 2048, 512, 8, 256, "Qwen3.6-35B-A3B, GGUF Q4_K_M",
                ("Q4_K", "Q6_K")),
 )

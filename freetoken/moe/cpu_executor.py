@@ -9,8 +9,6 @@ do not depend on the thread count. The kernel tier comes from cpuid, capped by
 FREETOKEN_CPU_MOE_ISA and the FREETOKEN_CPU_MOE_NO_VNNI / _NO_AVX512VNNI switches.
 Read by the C++ side: FREETOKEN_CPU_MOE_NO_VBMI=1 (the avx512_vnni tier's vpshufb dot instead
 of its vpermb one, which CPUs with AVX-512 VBMI run; results are identical),
-FREETOKEN_CPU_MOE_NO_GFNI=1 (its Q4_K one-token dot without the GFNI nibble moves, as CPUs
-without GFNI run it; results are identical),
 FREETOKEN_CPU_MOE_PIN=0 (leave the pool's workers unpinned), FREETOKEN_CPU_MOE_SPIN_US (how
 long idle workers poll before sleeping, default 1000) and FREETOKEN_CPU_MOE_SPIN_PAUSE (one
 pause instruction every N polls, default 1, 0 = none), FREETOKEN_CPU_MOE_PREFETCH (bytes of
@@ -208,6 +206,7 @@ class CpuMoeExecutor:
             num_threads = default_threads()
         _need(isinstance(num_threads, int) and num_threads >= 1,
               f"num_threads must be a positive int, got {num_threads!r}")
+        env.refuse_removed()
         cap = isa if isa is not None else (env.cpu_moe_isa() or "")
         self._ex = _ext().Executor(num_threads, cap, env.cpu_moe_no_vnni(),
                                    env.cpu_moe_no_avx512vnni())

@@ -135,21 +135,33 @@ def test_gguf_dot_token_alone_same_bits(fmt: str, tier: str):
                 assert torch.equal(alone, together[t]), f"{fmt} {tier} {n}x{K} token {t}"
 
 
-@pytest.mark.skipif("avx512_vnni" not in HOST_TIERS, reason="CPU lacks avx512_vnni")
-def test_q4k_one_token_dot_same_bits_without_gfni(monkeypatch):
-    """The avx512_vnni tier's Q4_K one-token dot with GFNI (nibbles split by one affine byte
-    transform per 32 bytes, where the CPU has it) and without (FREETOKEN_CPU_MOE_NO_GFNI=1: the
-    shift-and-mask kernel CPUs without GFNI run) gives the same bits, at row counts that leave
-    1-3 rows after the groups of 4 and both expert shapes' K."""
-    for n, K in ((302, 2048), (13, 768), (5, 256)):
-        gen = torch.Generator().manual_seed(n * K)
-        w, _ = make_gguf(Q["Q4_K"], gen, K, n)
-        x = torch.randn(1, K, generator=gen)
-        monkeypatch.delenv("FREETOKEN_CPU_MOE_NO_GFNI", raising=False)
-        fast = CpuMoeExecutor(2, isa="avx512_vnni").expert_matmul(w, 1, x)
-        monkeypatch.setenv("FREETOKEN_CPU_MOE_NO_GFNI", "1")
-        plain = CpuMoeExecutor(2, isa="avx512_vnni").expert_matmul(w, 1, x)
-        assert torch.equal(fast, plain), f"{n}x{K}"
+@pytest.mark.parametrize("tier", TIERS)
+def test_q4k_activation_is_q8_32_in_lane_order(tier: str):
+    """The avx512_vnni tier's Q4_K activations are the Q8_32 ones with each super-block's 256
+    int8 values reordered for its dot's lanes (lane j of vector v: values 16 (j % 2) + 4 v ..
+    + 3 of sub-block j / 2), scales and sums as they were; the other tiers' are Q8_32 as is."""
+    K = 768
+    x = special_activation(torch.Generator().manual_seed(3), K)
+    ex = CpuMoeExecutor(1, isa=tier)
+    q8 = ex.prepared_activation(x, "Q8_0").numpy()
+    q4k = ex.prepared_activation(x, "Q4_K").numpy()
+    assert np.array_equal(q4k[K:], q8[K:])
+    if tier != "avx512_vnni":
+        assert np.array_equal(q4k, q8)
+        return
+    v, j, i = np.meshgrid(np.arange(4), np.arange(16), np.arange(4), indexing="ij")
+    src = (32 * (j // 2) + 16 * (j % 2) + 4 * v + i).reshape(-1)  # byte 64 v + 4 j + i's value
+    want = q8[:K].reshape(-1, 256)[:, src].reshape(-1)
+    assert np.array_equal(q4k[:K], want)
+    assert not np.array_equal(q4k[:K], q8[:K])  # the order is not the identity
+
+
+def test_removed_gfni_switch_is_refused(monkeypatch):
+    """FREETOKEN_CPU_MOE_NO_GFNI chose between two Q4_K kernels that no longer exist: set, the
+    executor says so rather than run as if it did something."""
+    monkeypatch.setenv("FREETOKEN_CPU_MOE_NO_GFNI", "1")
+    with pytest.raises(ValueError, match="FREETOKEN_CPU_MOE_NO_GFNI was removed"):
+        CpuMoeExecutor(1)
 
 
 @pytest.mark.parametrize("tier", TIERS)
