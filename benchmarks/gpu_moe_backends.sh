@@ -20,11 +20,12 @@
 #    (benchmarks/ab_env.py) on the 35B NVFP4 hybrid at batch 1 and 4 and the 30B NVFP4 and
 #    Q4_K hybrids at batch 1, rate 0.1; profiled 35B steps at batch 1 with 0 and 1 (where
 #    the CPU waits for the device, the kernels beside the copies);
-# bars (about 9 minutes): issue 16's decode bars after a warm-up round, two or three rounds
+# bars (about 10 minutes): issue 16's decode bars after a warm-up round, two or three rounds
 #    each (benchmarks/ab_env.py, their lines with the host's steal and preemptions): the 35B
 #    NVFP4 hybrid at batch 1 and 4, the 30B Q4_K and NVFP4 at batch 1 as hybrid and as cpu
-#    (--moe-hybrid-max-fetch 0), all at cache rate 0.1; then the 30B Q4_K cpu backend with
-#    FREETOKEN_CPU_MOE_NO_GFNI=1 / 0 and the hybrid with FREETOKEN_GPU_NORM_FOLD=0 / 1;
+#    (--moe-hybrid-max-fetch 0), all at cache rate 0.1; then the CPU's 30B Q4_K layer
+#    (profile_cpu_moe_layer.py) and the hybrids with FREETOKEN_GPU_NORM_FOLD=0 / 1 (the 30B
+#    Q4_K; the 35B, whose fold adds the shared expert);
 # full: 3. `ft bench decode` sweeps (offload, cpu, hybrid x cache rate 0.1 and 0.25, batch
 #    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
@@ -136,11 +137,13 @@ if [ "$mode" = bars ]; then
   bar b_35b 130 qwen3.6-35b-a3b nvfp4 1,4 3 moe_hybrid_max_fetch=-1
   bar b_30b_q4k 120 qwen3-30b-a3b q4_k 1 2 moe_hybrid_max_fetch=-1 moe_hybrid_max_fetch=0
   bar b_30b_nvfp4 120 qwen3-30b-a3b nvfp4 1 2 moe_hybrid_max_fetch=-1 moe_hybrid_max_fetch=0
-  # the avx512_vnni Q4_K one-token dot with and without GFNI on this host (the cpu backend:
-  # every miss to the CPU), and the next residual step folded into the receive or not
-  bar b_30b_q4k_gfni 120 qwen3-30b-a3b q4_k 1 2 moe_hybrid_max_fetch=0,FREETOKEN_CPU_MOE_NO_GFNI=1 \
-    moe_hybrid_max_fetch=0,FREETOKEN_CPU_MOE_NO_GFNI=0
+  # the CPU's 30B Q4_K layer on this host (where its time goes, its GB/s), and the next
+  # residual step folded into the receive or not
+  stage layer_30b_q4k 60 python3 benchmarks/profile_cpu_moe_layer.py --shape 2048x768-Q4_K \
+    --batch 1 --calls 3000
   bar b_30b_q4k_fold 120 qwen3-30b-a3b q4_k 1,4 2 FREETOKEN_GPU_NORM_FOLD=0 \
+    FREETOKEN_GPU_NORM_FOLD=1
+  bar b_35b_fold 130 qwen3.6-35b-a3b nvfp4 1,4 2 FREETOKEN_GPU_NORM_FOLD=0 \
     FREETOKEN_GPU_NORM_FOLD=1
 fi
 if [ "$mode" = smoke ] || [ "$mode" = all ]; then
