@@ -72,11 +72,11 @@ def load_quant_config(path_or_dir: str | Path) -> QuantConfig | None:
     if p.is_dir():
         hq = p / "hf_quant_config.json"
         if hq.is_file():
-            return _from_hf_quant_config(_read_json(hq), hq)
+            return _from_hf_quant_config(read_json_object(hq), hq)
         p = p / "config.json"
         if not p.is_file():
             return None
-    doc = _read_json(p)
+    doc = read_json_object(p)
     if p.name == "hf_quant_config.json" or "quantization" in doc and "producer" in doc:
         return _from_hf_quant_config(doc, p)
     qc = doc.get("quantization_config")
@@ -87,7 +87,9 @@ def load_quant_config(path_or_dir: str | Path) -> QuantConfig | None:
     return parse_quantization_config(qc, p)
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
+    """The JSON object in the file at `path`; FormatError naming the file when it cannot be
+    read or parsed, or holds something else at the top level."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

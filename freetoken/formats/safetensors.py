@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from freetoken.formats.errors import FormatError
-from freetoken.formats.quant_config import QuantConfig, load_quant_config
+from freetoken.formats.quant_config import QuantConfig, load_quant_config, read_json_object
 from freetoken.formats.qweight import QuantWeight
 
 # safetensors dtype string -> torch dtype; exactly the set the torch binding can read.
@@ -288,21 +288,11 @@ class HFCheckpoint:
 def _read_config(path: Path) -> dict:
     if not path.is_file():
         raise FormatError("config.json missing", path=path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"cannot read JSON: {e}", path=path) from e
-    if not isinstance(doc, dict):
-        raise FormatError("expected a JSON object", path=path)
-    return doc
+    return read_json_object(path)
 
 
 def _read_index(path: Path) -> dict[str, str]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise FormatError(f"cannot read JSON: {e}", path=path) from e
-    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    wm = read_json_object(path).get("weight_map")
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise FormatError("expected an object of tensor name -> shard file", path=path,
                           key="weight_map")
