@@ -30,6 +30,8 @@
 #    1-4, then prefill 512 and 2048 tokens and a profiled step at batch 1) for Qwen3-30B-A3B
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
 #    model loaded once); all: smoke, then full.
+# STAGES="bw b_30b_q4k ..." runs only the stages it names (a call to a machine that limits
+# a command's time can take a mode in two parts); the build always runs.
 set -uo pipefail
 mode=${1:?usage: gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]}
 out=${2:?usage: gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]}
@@ -58,6 +60,7 @@ fi
 stage() {  # stage NAME SECONDS COMMAND...: output in OUT/NAME.txt, exit status and time last
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
+  case " ${STAGES:-$name} " in *" $name "*) ;; *) return 0;; esac  # STAGES: only those named
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.txt"
 }
