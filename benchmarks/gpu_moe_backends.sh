@@ -31,7 +31,8 @@
 #    with Q4_K and NVFP4 experts and Qwen3.6-35B-A3B with NVFP4 experts (random weights, each
 #    model loaded once); all: smoke, then full.
 # STAGES="bw b_30b_q4k ..." runs only the stages it names (a call to a machine that limits
-# a command's time can take a mode in two parts); the build always runs.
+# a command's time can take a mode in two parts); the build always runs, and a name no stage
+# of the mode has is reported at the end and makes the exit status 2.
 set -uo pipefail
 mode=${1:?usage: gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]}
 out=${2:?usage: gpu_moe_backends.sh smoke|quick|ahead|bars|full|all OUT_DIR [BASE_TREE]}
@@ -41,6 +42,7 @@ base=${3:-}
 full_limit=${FULL_STAGE_SECONDS:-400}  # per model of the full sweeps
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
+rm -f "$out/.stages"
 export FREETOKEN_CACHE=${FREETOKEN_CACHE:-/tmp/freetoken-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 cd "$root"
@@ -61,6 +63,7 @@ stage() {  # stage NAME SECONDS COMMAND...: output in OUT/NAME.txt, exit status 
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
   case " ${STAGES:-$name} " in *" $name "*) ;; *) return 0;; esac  # STAGES: only those named
+  echo "$name" >> "$out/.stages"  # the stages run (also from subshells), checked at the end
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.txt"
 }
@@ -173,9 +176,17 @@ if [ "$mode" = full ] || [ "$mode" = all ]; then
   sweep nvfp4_30b "$full_limit" qwen3-30b-a3b nvfp4 offload,cpu,hybrid 0.1,0.25 1,2,3,4 12 \
     --prompt-lens 512,2048
 fi
+unknown=0  # a name in STAGES that no stage of this mode has: an error, not silence
+for s in ${STAGES:-}; do
+  grep -qx "$s" "$out/.stages" 2>/dev/null || {
+    echo "STAGES: mode $mode has no stage named $s" >&2; unknown=2; }
+done
+rm -f "$out/.stages"
 rm -f "$out"/*-trace*.json  # the tables are in the .txt files; traces are large
 grep -h "FAILED\|Error\|passed\|failed" "$out/tests.txt" 2>/dev/null | head -20
 grep -h -A12 "^batch\|^ prompt\|^step\|exit\|hand-off worker\|^setting\|preemptions a step" "$out"/*.txt | cut -c1-160 | tail -n 150
 # one archive: the device tool brings back only a few files
 tar -czf /tmp/gpu_moe_results.tgz -C "$out" . && rm -rf "${out:?}"/* && \
   mv /tmp/gpu_moe_results.tgz "$out/results.tgz"
+archived=$?
+exit $((unknown ? unknown : archived))
