@@ -19,6 +19,7 @@ SWITCHES = {
     "FREETOKEN_GPU_NORM_FOLD": env.gpu_norm_fold,
     "FREETOKEN_GPU_SIDE_STREAM": env.gpu_side_stream,
     "FREETOKEN_GPU_RECEIVE_SHARED": env.gpu_receive_shared,
+    "FREETOKEN_MOE_AHEAD_WORKER": env.moe_ahead_worker,
 }
 
 

@@ -163,6 +163,9 @@ NB_MODULE(_cpu_moe, m) {
             l.max_tokens = get("max_tokens"), l.top_k = get("top_k");
             l.num_experts = get("num_experts"), l.hidden = get("hidden");
             if (offsets.contains("hint")) l.hint = get("hint"), l.hint_max = get("hint_max");
+            if (offsets.contains("ahead"))
+              l.ahead = get("ahead"), l.ahead_max = get("ahead_max"),
+              l.ahead_done = get("ahead_done");
             new (w) ft::HandoffWorker(&ex, ptr<uint8_t>(buf), l, spin_us);
           },
           nb::keep_alive<1, 2>())
@@ -177,7 +180,11 @@ NB_MODULE(_cpu_moe, m) {
       .def("set_trace", &ft::HandoffWorker::set_trace)
       .def("trace", &ft::HandoffWorker::trace)
       .def("set_prefetch", &ft::HandoffWorker::set_prefetch)
-      .def("prefetch_stats", &ft::HandoffWorker::prefetch_stats);
+      .def("prefetch_stats", &ft::HandoffWorker::prefetch_stats)
+      .def("set_copier", &ft::HandoffWorker::set_copier)
+      .def("set_copy_layer", &ft::HandoffWorker::set_copy_layer)
+      .def("wait_ahead", &ft::HandoffWorker::wait_ahead, nb::call_guard<nb::gil_scoped_release>())
+      .def("ahead_stats", &ft::HandoffWorker::ahead_stats);
 
   m.def("supported_tiers", &ft::supported_tiers);
   m.def("core_clock_ghz", &ft::core_clock_ghz, nb::arg("seconds") = 0.05,

@@ -117,6 +117,7 @@ void HandoffWorker::loop(uint32_t last) {
       jobs_.fetch_add(1, std::memory_order_relaxed);
       store_release(buf_ + lay_.done, n);
       const int64_t done_at = now_us();  // the warming after it is part of the wait for the next
+      serve_ahead();  // the job's list: posted while it ran
       if (lay_.hint && prefetch_.load(std::memory_order_relaxed)) warm_next(n);
       idle_since = now_us();
       if (tracing_.load(std::memory_order_relaxed) && trace_.size() < 6 * kTraceCap)
@@ -124,6 +125,7 @@ void HandoffWorker::loop(uint32_t last) {
                                      static_cast<int64_t>(rows_.size()), routes_});
       continue;
     }
+    serve_ahead();
     // Spin while jobs come (a decode step's layers are microseconds apart), then poll
     // every 100 us: an idle engine costs little CPU, the first layer after it a little latency.
     if (now_us() - idle_since < spin_us_) {
@@ -132,6 +134,124 @@ void HandoffWorker::loop(uint32_t last) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
+}
+
+void HandoffWorker::fail(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> g(err_mu_);
+    err_ = what;
+  }
+  store_release(buf_ + lay_.error, 1);
+}
+
+void HandoffWorker::set_copier(uint64_t pool, int64_t slot_bytes, uint64_t ctx,
+                               uint64_t set_ctx, uint64_t memcpy_h2d, uint64_t write_value,
+                               uint64_t stream) {
+  if (!lay_.ahead || !lay_.ahead_done || lay_.ahead_max <= 0)
+    throw std::invalid_argument("set_copier: the buffer has no ahead area");
+  if (!pool || slot_bytes <= 0) throw std::invalid_argument("set_copier: no slot pool");
+  const bool gpu = memcpy_h2d != 0;
+  if (gpu && (!set_ctx || !write_value || !ctx))
+    throw std::invalid_argument("set_copier: a GPU copier needs the context, cuCtxSetCurrent "
+                                "and cuStreamWriteValue32");
+  copier_ = Copier{pool, ctx, set_ctx, memcpy_h2d, write_value, stream, slot_bytes};
+  ctx_set_ = false;
+  copier_on_.store(true, std::memory_order_release);
+}
+
+void HandoffWorker::set_copy_layer(int64_t layer, const std::vector<int64_t>& parts) {
+  if (layer < 0) throw std::invalid_argument("layer must be >= 0");
+  if (parts.size() % 3 != 0)
+    throw std::invalid_argument("set_copy_layer: parts must be (address, bytes, offset) triples");
+  if (static_cast<size_t>(layer) >= copy_parts_.size()) copy_parts_.resize(layer + 1);
+  copy_parts_[layer] = parts;
+}
+
+bool HandoffWorker::wait_ahead(uint32_t a, double timeout_s) {
+  const int64_t t0 = now_us();
+  while (static_cast<int32_t>(load_acquire(buf_ + lay_.ahead_done) - a) < 0) {
+    const int64_t dt = now_us() - t0;
+    if (dt > timeout_s * 1e6) {
+      std::lock_guard<std::mutex> g(err_mu_);
+      err_ = "the copies of ahead list " + std::to_string(a) + " did not complete within " +
+             std::to_string(timeout_s) + " s";
+      return false;
+    }
+    if (dt < 20)
+      _mm_pause();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return load_acquire(buf_ + lay_.error) == 0;
+}
+
+std::vector<int64_t> HandoffWorker::ahead_stats() const {
+  return {ahead_stats_[0].load(std::memory_order_relaxed),
+          ahead_stats_[1].load(std::memory_order_relaxed)};
+}
+
+// Serve the next ahead list if it was posted: its copies, then ahead_done. Every list is
+// served, a failed one too (its copies skipped, the error set): the device waits for each.
+void HandoffWorker::serve_ahead() {
+  if (!lay_.ahead || !copier_on_.load(std::memory_order_acquire)) return;
+  const uint32_t a = ahead_last_ + 1;
+  const uint8_t* area = buf_ + lay_.ahead + (a & 1) * (16 + 8 * lay_.ahead_max);
+  if (load_acquire(area) != a) return;
+  ahead_last_ = a;
+  const auto* h = reinterpret_cast<const int32_t*>(area);
+  const int64_t layer = h[1], n = h[2];
+  const Copier& c = copier_;
+  using SetCtx = int (*)(void*);
+  using MemcpyH2D = int (*)(uint64_t, const void*, size_t, void*);
+  using WriteValue = int (*)(void*, uint64_t, uint32_t, unsigned);
+  const bool gpu = c.memcpy_h2d != 0;
+  std::string err;
+  if (gpu && !ctx_set_) {
+    const int rc = reinterpret_cast<SetCtx>(c.set_ctx)(reinterpret_cast<void*>(c.ctx));
+    if (rc != 0) err = "cuCtxSetCurrent failed (CUresult " + std::to_string(rc) + ")";
+    ctx_set_ = rc == 0;
+  }
+  const bool known = layer >= 0 && static_cast<size_t>(layer) < copy_parts_.size() &&
+                     !copy_parts_[layer].empty();
+  if (err.empty() && (!known || n < 0 || n > lay_.ahead_max))
+    err = "ahead list " + std::to_string(a) + " for MoE layer " + std::to_string(layer) +
+          " with " + std::to_string(n) + " experts: no such layer's parts, or more than " +
+          std::to_string(lay_.ahead_max);
+  for (int64_t i = 0; err.empty() && i < n; ++i) {
+    const int64_t e = h[4 + 2 * i], s = h[5 + 2 * i];
+    if (e < 0 || e >= lay_.num_experts || s < 0) {
+      err = "ahead list " + std::to_string(a) + ": expert " + std::to_string(e) + " / slot " +
+            std::to_string(s) + " out of range";
+      break;
+    }
+    const std::vector<int64_t>& parts = copy_parts_[layer];
+    for (size_t p = 0; p < parts.size(); p += 3) {
+      const auto* src = reinterpret_cast<const uint8_t*>(parts[p]) + e * parts[p + 1];
+      const uint64_t dst = c.pool + s * c.slot_bytes + parts[p + 2];
+      const size_t nb = static_cast<size_t>(parts[p + 1]);
+      if (!gpu) {
+        std::memcpy(reinterpret_cast<void*>(dst), src, nb);
+        continue;
+      }
+      const int rc = reinterpret_cast<MemcpyH2D>(c.memcpy_h2d)(
+          dst, src, nb, reinterpret_cast<void*>(c.stream));
+      if (rc != 0) {
+        err = "cuMemcpyHtoDAsync of an ahead expert failed (CUresult " + std::to_string(rc) + ")";
+        break;
+      }
+    }
+    if (err.empty()) ahead_stats_[1].fetch_add(1, std::memory_order_relaxed);
+  }
+  ahead_stats_[0].fetch_add(1, std::memory_order_relaxed);
+  if (!err.empty()) fail(err);
+  if (gpu) {
+    const uint64_t done = reinterpret_cast<uint64_t>(buf_ + lay_.ahead_done);
+    const int rc = reinterpret_cast<WriteValue>(c.write_value)(reinterpret_cast<void*>(c.stream),
+                                                                 done, a, 0);
+    if (rc == 0) return;
+    fail("cuStreamWriteValue32 failed (CUresult " + std::to_string(rc) + ")");
+  }
+  store_release(buf_ + lay_.ahead_done, a);
 }
 
 void HandoffWorker::set_prefetch(bool on, const std::vector<int32_t>& fetch_table) {

@@ -17,7 +17,21 @@
 //         hint_max listed), in the slot plan's fetch order (most-routed first, then the lower
 //         id), written by the producer while job `tag` runs (tag last, release); optional
 //         (offset 0: none)
+//   ahead two areas of int32 tag, layer, n, 0, then (expert, slot) int32 pairs [ahead_max]:
+//         list a (a = 1, 2, ...) in area a & 1, the experts of MoE layer `layer` that the
+//         device gave slots ahead of that layer's call (fetching ahead), tag written last
+//         (release); optional (offset 0: none)
+//   ahead_done uint32 the number of the last list whose copies are complete
 // A route is the CPU's when its row is live and map[id] < 0.
+//
+// Copies ahead (set_copier): the worker serves the ahead lists in order, after the job it
+// answers (the device then runs attention and the router, and the host's memory and the
+// copy engine are idle): each listed expert's parts are copied from the layer's host bank
+// into its slot. On a GPU by the driver's cuMemcpyHtoDAsync on a copy stream, then
+// cuStreamWriteValue32 sets ahead_done = a on that stream once they are complete (the device
+// waits for it before the layer reads those slots); the driver's entry points, its context
+// and the stream come from the caller, so this library links no CUDA. With the CPU standing
+// in as the device (no entry points), memcpy and then ahead_done = a (release).
 //
 // Warming (set_prefetch): after answering job n, if the hint's tag is n, the worker drops the
 // hint's first F experts (F = the fetch table at its `misses`: those the device will fetch)
@@ -39,7 +53,7 @@ namespace ft {
 
 struct HandoffLayout {
   int64_t go = 0, done = 0, live = 0, error = 0, job = 0, ids = 0, weights = 0, map = 0,
-          x = 0, out = 0, hint = 0, hint_max = 0;
+          x = 0, out = 0, hint = 0, hint_max = 0, ahead = 0, ahead_max = 0, ahead_done = 0;
   int64_t max_tokens = 0, top_k = 0, num_experts = 0, hidden = 0;
 };
 
@@ -64,6 +78,19 @@ class HandoffWorker {
   // Since the worker started: {hints (jobs after which it warmed), experts warmed fully,
   // warmed experts the next job of that layer computed, CPU experts of those next jobs}.
   std::vector<int64_t> prefetch_stats() const;
+  // Copies ahead (see above). pool: the slots' base address, slot_bytes apart; the driver's
+  // context and cuCtxSetCurrent / cuMemcpyHtoDAsync_v2 / cuStreamWriteValue32_v2 and a
+  // stream (all 0: host memcpy). Call it before the first list is posted.
+  void set_copier(uint64_t pool, int64_t slot_bytes, uint64_t ctx, uint64_t set_ctx,
+                  uint64_t memcpy_h2d, uint64_t write_value, uint64_t stream);
+  // Layer `layer`'s parts as (host address of expert 0, its bytes per expert, offset in a
+  // slot) triples: expert e's part is at address + e * bytes.
+  void set_copy_layer(int64_t layer, const std::vector<int64_t>& parts);
+  // Producer side from the host: wait until ahead_done reaches list a (false after
+  // timeout_s; last_error() says so).
+  bool wait_ahead(uint32_t a, double timeout_s);
+  // Ahead lists served and experts copied since the worker started.
+  std::vector<int64_t> ahead_stats() const;
   // Job timing for profiles: while on, each job appends {go seen, forward start, forward
   // end, done set (steady-clock us), rows computed, routes computed} (up to kTraceCap jobs).
   // Turning it on clears the record; read it only while no job runs (after a step's sync).
@@ -76,6 +103,8 @@ class HandoffWorker {
   void run_job();
   void warm_next(uint32_t n);
   void count_warmed(const int32_t* ids, const int32_t* map, int64_t live);
+  void serve_ahead();
+  void fail(const std::string& what);
 
   Executor* ex_;
   uint8_t* buf_;
@@ -104,6 +133,15 @@ class HandoffWorker {
   std::atomic<int64_t> stats_[4] = {};
   std::vector<int64_t> trace_;  // 6 per job, reserved when tracing starts
   int64_t t_fwd0_ = 0, t_fwd1_ = 0, routes_ = 0;  // the current job's, for the trace
+  struct Copier {
+    uint64_t pool = 0, ctx = 0, set_ctx = 0, memcpy_h2d = 0, write_value = 0, stream = 0;
+    int64_t slot_bytes = 0;
+  } copier_;
+  std::atomic<bool> copier_on_{false};
+  bool ctx_set_ = false;
+  std::vector<std::vector<int64_t>> copy_parts_;  // per layer: (address, bytes, offset) triples
+  uint32_t ahead_last_ = 0;                      // the last list served
+  std::atomic<int64_t> ahead_stats_[2] = {};
   std::thread thread_;
 };
 

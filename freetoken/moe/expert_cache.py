@@ -23,7 +23,11 @@ Fetching ahead (--moe-fetch-ahead N, offload / hybrid, off by default): between 
 answer and the next layer's plan the device runs attention and the router (tens of
 microseconds at decode) and the copy engine is idle. So each call also gives up to N of the
 next MoE layer's predicted misses (its router on this call's input) slots and copies them in
-then, on a stream of its own; that call finds them as hits and has fewer misses to split.
+then; that call finds them as hits and has fewer misses to split. Where a call hands work to
+the CPU, the hand-off's worker copies them once it has answered the call's job, with the copy
+engine (moe/handoff.py: copies ahead), and the next call waits for them before its fill; else
+(or FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on a stream of its own, which takes SMs from
+the kernels beside it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ AHEAD_FILL_PROGRAMS = 8
 
 
 _ALL = FetchPolicy(None, None, "every miss")
+_WORKER = "worker"  # an ahead fill that is the hand-off worker's copies (`_ahead_events`)
 
 
 class ExpertCache:
@@ -136,7 +141,20 @@ class ExpertCache:
                                     PREFILL_TOKENS)
             if self.prefetch and not self.fetch_all:
                 self._handoff.set_prefetch(True, _fetch_table(self.fetch_limit, HINT_ROUTES))
+            if self.fetch_ahead and env.moe_ahead_worker():
+                why = self._start_copies(self._handoff)
+                if why is not None:
+                    logger.info("fetching ahead: the slots are filled by a device kernel, "
+                                "not the hand-off worker's copies: %s", why)
         return self._handoff
+
+    def _start_copies(self, ho: Handoff) -> str | None:
+        """The hand-off worker copies the ahead lists (`Handoff.start_copies`); None, or why
+        not."""
+        c = self.cache
+        layers = [c.copy_parts(i, host) for i, host in enumerate(self.hosts)]
+        why = next((p for p in layers if isinstance(p, str)), None)
+        return why or ho.start_copies(c.pool, c.slot_bytes, layers)
 
     def close(self) -> None:
         """Stop the hand-off's worker thread and let the executor's pool go (the next engine
@@ -181,8 +199,7 @@ class ExpertCache:
         T = ids.shape[0]
         split = not (T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()))
         for held in [k for k in self._ahead_events if k < layer or (k == layer and not split)]:
-            for ev in self._ahead_events.pop(held):  # a call that does not join them itself
-                torch.cuda.current_stream(self.device).wait_event(ev)
+            self._join_ahead(held, *self._ahead_events.pop(held))  # a call that does not itself
         # the residual step after this call (kernels/norm.py: folding), for the kernel that
         # writes the output last: the receive of the CPU's answer, or the device's kernel
         fold = take_fold(x)
@@ -214,8 +231,7 @@ class ExpertCache:
         # this layer's slots given ahead by the last call: its plan after their plan, its
         # fill (and so the kernel reading them) after their copies
         ahead_plan, ahead_fill = self._ahead_events.pop(layer, (None, None))
-        if ahead_plan is not None:
-            torch.cuda.current_stream(self.device).wait_event(ahead_plan)
+        self._join_ahead(layer, ahead_plan, None)
         with record_function("moe.plan"):
             live = ho.live if ho is not None and on_gpu else None
             # on a GPU the plan kernel also posts the CPU's job, with the map it writes
@@ -237,8 +253,7 @@ class ExpertCache:
                 ho.send(layer, x, ids, w, emap, activation)
         hinted = (ho is not None and on_gpu and self.ahead_stream is None
                   and self._hint(layer, x, ho, capturing))
-        if ahead_fill is not None:
-            torch.cuda.current_stream(self.device).wait_event(ahead_fill)
+        self._join_ahead(layer, None, ahead_fill)
         with record_function("moe.fill"):
             if self.never_fetches:
                 pass  # the cpu backend: nothing to fill (no empty launch per layer)
@@ -293,20 +308,26 @@ class ExpertCache:
             return None
         c = self.cache
         warm = ho is not None and self.prefetch and not self.fetch_all
+        worker = ho is not None and ho.copies  # the worker copies them after this call's job
         with record_function("moe.ahead"):
             if self.ahead_stream is None:  # the CPU standing in: in line
-                return c.plan_ahead(nxt, self.predictors[nxt](x), self.fetch_ahead)
+                fetched = c.plan_ahead(nxt, self.predictors[nxt](x), self.fetch_ahead)
+                if worker:
+                    ho.post_ahead(nxt, fetched)
+                return fetched, None, worker
             s = self.ahead_stream
             s.wait_stream(torch.cuda.current_stream(self.device))
             x.record_stream(s)  # read here after the compute stream may have freed it
             with torch.cuda.stream(s):
                 ids = self.predictors[nxt](x)
                 fetched = c.plan_ahead(nxt, ids, self.fetch_ahead, live)
+                if worker:
+                    ho.post_ahead(nxt, fetched)
                 planned = torch.cuda.Event()
                 planned.record(s)
                 if warm:
                     ho.hint(nxt, ids, self._slot_map(nxt))
-        return fetched, planned
+        return fetched, planned, worker
 
     def _ahead_fill(self, nxt: int, ahead) -> None:
         """Copy the experts `_ahead_plan` gave slots into them: on a GPU on the ahead stream
@@ -317,10 +338,13 @@ class ExpertCache:
         lost 11% at batch 1 on the H200.) The next layer's call waits for the copies before
         its own fill."""
         c = self.cache
-        if self.ahead_stream is None:
-            c.fill(nxt, self.hosts[nxt], ahead)
+        fetched, planned, worker = ahead
+        if worker:  # copied by the hand-off worker after this call's job: joined by a wait
+            self._ahead_events[nxt] = (planned, _WORKER)
             return
-        fetched, planned = ahead
+        if self.ahead_stream is None:
+            c.fill(nxt, self.hosts[nxt], fetched)
+            return
         s = self.ahead_stream
         s.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(s), record_function("moe.ahead_fill"):
@@ -328,6 +352,16 @@ class ExpertCache:
             filled = torch.cuda.Event()
             filled.record(s)
         self._ahead_events[nxt] = (planned, filled)
+
+    def _join_ahead(self, layer: int, planned, filled) -> None:
+        """Order what comes next after layer `layer`'s ahead plan (planned: an event) and
+        after its copies (filled: an event, or _WORKER: wait for the worker's copies)."""
+        if planned is not None:
+            torch.cuda.current_stream(self.device).wait_event(planned)
+        if filled is _WORKER:
+            self._handoff.wait_ahead(layer)
+        elif filled is not None:
+            torch.cuda.current_stream(self.device).wait_event(filled)
 
     def _hint(self, layer: int, x, ho: Handoff, capturing: bool) -> bool:
         """Post the next layer's predicted CPU experts for the worker to warm while this

@@ -36,3 +36,33 @@ def copy_ranges(ranges: list[tuple[int, int, int]], stream: torch.cuda.Stream) -
         rc = fn(dst, src, n, s)
         if rc != 0:
             raise RuntimeError(f"cuMemcpyHtoDAsync of {n} B to a slot failed (CUresult {rc})")
+
+
+def copier_entry_points(stream: torch.cuda.Stream, probe: int) -> tuple[int, ...] | str:
+    """(the current context, cuCtxSetCurrent, cuMemcpyHtoDAsync_v2, cuStreamWriteValue32_v2)
+    as addresses, for the hand-off worker's copies (csrc/cpu_moe/handoff.h), or why not: the
+    stream write is tried once on `stream` at probe (a device-visible word, set to 0)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        names = ("cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemcpyHtoDAsync_v2",
+                 "cuStreamWriteValue32_v2")
+        fns = {n: getattr(lib, n) for n in names}
+    except (OSError, AttributeError) as e:
+        return f"the CUDA driver lacks an entry point the worker's copies need ({e})"
+    ctx = ctypes.c_void_p()
+    rc = fns["cuCtxGetCurrent"](ctypes.byref(ctx))
+    if rc != 0 or not ctx.value:
+        return f"no current CUDA context on this thread (cuCtxGetCurrent: CUresult {rc})"
+    write = fns["cuStreamWriteValue32_v2"]
+    write.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    write.restype = ctypes.c_int
+    rc = write(stream.cuda_stream, probe, 0, 0)
+    if rc != 0:
+        return f"stream memory operations are not available (cuStreamWriteValue32: CUresult {rc})"
+    stream.synchronize()
+
+    def addr(fn) -> int:
+        return ctypes.cast(fn, ctypes.c_void_p).value
+
+    return (ctx.value, addr(fns["cuCtxSetCurrent"]), addr(fns["cuMemcpyHtoDAsync_v2"]),
+            addr(write))

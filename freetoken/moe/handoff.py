@@ -28,6 +28,13 @@ worker drops the ones the device will fetch (the fetch table at their count) and
 executor's threads read their shares of the rest into their caches until job n + 1 arrives
 (Executor::warm). Results do not change (a warmed row is the same bytes); `prefetch_stats`
 says how often the guess was right.
+
+Copies ahead (fetching ahead, moe/expert_cache.py): the slot plan gives some of the next MoE
+layer's predicted misses slots while a job runs; `post_ahead` lists them (expert, slot) in
+the buffer, and after answering the job the worker copies them from the host banks into
+their slots (on a GPU with the copy engine, on a stream of its own: no SM is taken from the
+device's attention and router, which run then) and sets `ahead_done` once they are complete;
+the next layer's call waits for it (`wait_ahead`) before it reads those slots.
 """
 
 from __future__ import annotations
@@ -50,6 +57,9 @@ WAIT_TIMEOUT_S = 60.0  # the host's wait for an answer (the GPU's: kernels/trito
 # posted for calls of at most HINT_ROUTES routes (decode)
 HINT_MAX = 64
 HINT_ROUTES = 64
+# Experts an ahead list holds (fetching ahead plans at most min(E, routes) of a call of at
+# most HINT_ROUTES routes)
+AHEAD_MAX = HINT_ROUTES
 
 
 def _align(n: int, a: int = 64) -> int:
@@ -62,12 +72,13 @@ def layout(max_tokens: int, top_k: int, num_experts: int, hidden: int) -> dict[s
     o = off["job"] + 64
     for name, nbytes in (("ids", max_tokens * top_k * 4), ("weights", max_tokens * top_k * 4),
                          ("map", num_experts * 4), ("x", max_tokens * hidden * 4),
-                         ("out", max_tokens * hidden * 4), ("hint", 16 + HINT_MAX * 4)):
+                         ("out", max_tokens * hidden * 4), ("hint", 16 + HINT_MAX * 4),
+                         ("ahead", 2 * (16 + AHEAD_MAX * 8)), ("ahead_done", 4)):
         off[name] = o
         o = _align(o + nbytes)
     off["size"] = o
     off.update(max_tokens=max_tokens, top_k=top_k, num_experts=num_experts, hidden=hidden,
-               hint_max=HINT_MAX)
+               hint_max=HINT_MAX, ahead_max=AHEAD_MAX)
     return off
 
 
@@ -114,6 +125,11 @@ class Handoff:
         with torch.inference_mode(False):
             self._waits = torch.zeros(2, dtype=torch.int64, device=self.device) if pin else None
         self._n = 0
+        # copies ahead (`start_copies`): off until started
+        self.copies = False
+        self._ahead_n = 0  # with the CPU standing in: the last list posted, per layer its own
+        self._ahead_want: dict[int, int] = {}
+        self._copy_stream = None
 
     def close(self) -> None:
         """Stop the worker (before the buffer it polls is freed)."""
@@ -148,6 +164,73 @@ class Handoff:
         words[h + 1], words[h + 2] = layer, misses
         words[h] = (self._n + 1) & 0xFFFFFFFF  # the tag last
 
+    def start_copies(self, pool: torch.Tensor, slot_bytes: int,
+                     layers: list[list[tuple[int, int, int]]]) -> str | None:
+        """Let the worker copy ahead lists into the slot pool (module doc). layers: per MoE
+        layer its parts as (host address of expert 0, bytes per expert, offset in a slot).
+        On a GPU the worker queues the driver's copies on a stream of its own and marks them
+        complete with a stream write, found here in libcuda (`moe/h2d.py`). Returns None, or
+        why the copies cannot be the worker's on this machine (the caller keeps its fill
+        kernel)."""
+        for i, parts in enumerate(layers):
+            self._worker.set_copy_layer(i, [int(v) for p in parts for v in p])
+        n = len(layers)
+        if self.seq is None:
+            self._worker.set_copier(pool.data_ptr(), slot_bytes, 0, 0, 0, 0, 0)
+        else:
+            from freetoken.moe.h2d import copier_entry_points
+
+            stream = torch.cuda.Stream(self.device)
+            done = self.buf.data_ptr() + self.off["ahead_done"]
+            got = copier_entry_points(stream, done)
+            if isinstance(got, str):
+                return got
+            self._copy_stream = stream  # the worker queues on it: keep it
+            self._worker.set_copier(pool.data_ptr(), slot_bytes, *got, stream.cuda_stream)
+            with torch.inference_mode(False):
+                self._ahead_seq = torch.zeros(1, dtype=torch.int32, device=self.device)
+                self._ahead_want_dev = torch.zeros(max(1, n), dtype=torch.int32,
+                                                   device=self.device)
+        self.copies = True
+        return None
+
+    def post_ahead(self, layer: int, fetched: torch.Tensor) -> None:
+        """List layer `layer`'s experts given slots ahead (fetched int64 [2, n]: (expert,
+        slot), -1 = none) for the worker to copy after the job now running; on a GPU a kernel
+        writes it (no host sync) and notes the list's number for `wait_ahead`."""
+        if self.seq is not None:
+            from freetoken.kernels.triton.handoff import post_ahead
+
+            post_ahead(fetched, self._ahead_seq, self._ahead_want_dev, self.buf, self.off, layer)
+            return
+        rows = fetched[:, fetched[0] >= 0].to(torch.int32).t().contiguous()
+        a = (self._ahead_n + 1) & 0xFFFFFFFF
+        words = self.buf.numpy().view(np.int32)
+        h = (self.off["ahead"] + (a & 1) * (16 + 8 * self.off["ahead_max"])) // 4
+        words[h + 4:h + 4 + rows.numel()] = rows.flatten().numpy()
+        words[h + 1], words[h + 2] = layer, rows.shape[0]
+        words[h] = a  # the tag last
+        self._ahead_n = a
+        self._ahead_want[layer] = a
+
+    def wait_ahead(self, layer: int) -> None:
+        """Before layer `layer`'s call reads its slots: wait until the worker's copies of
+        the list posted for it are complete (on a GPU a kernel polls, bounded like the
+        receive's wait; with the CPU standing in the host)."""
+        if self.seq is not None:
+            from freetoken.kernels.triton.handoff import wait_ahead
+
+            wait_ahead(self._ahead_want_dev, layer, self.buf, self.off)
+            return
+        a = self._ahead_want.pop(layer, None)
+        if a is not None and not self._worker.wait_ahead(a, WAIT_TIMEOUT_S):
+            self._host["error"][0] = 1
+            self.check()
+
+    def ahead_stats(self) -> dict[str, int]:
+        """Since the worker started: ahead `lists` served and experts `copied`."""
+        return dict(zip(("lists", "copied"), self._worker.ahead_stats()))
+
     def __del__(self):
         self.close()
 
@@ -170,7 +253,9 @@ class Handoff:
         since the buffer was made, on a GPU (a sync: read it between steps); else None."""
         if self._waits is None:
             return None
-        ns, calls = self._waits.tolist()
+        from freetoken.engine.sampler import read_ids
+
+        ns, calls = read_ids(self._waits)  # not a pageable copy: see SlotCache.read_counters
         return ns / 1e3, calls
 
     @property
@@ -258,7 +343,8 @@ class Handoff:
         if int(self._host["timeout"][0]):
             self._host["timeout"][0] = 0
             raise RuntimeError("CPU MoE hand-off: the GPU waited more than its timeout for the "
-                               "CPU worker's answer; that step's MoE outputs are wrong")
+                               "CPU worker's answer or its copies ahead; that step's MoE "
+                               "outputs are wrong")
 
 
 def hint_order(ids: torch.Tensor, emap: torch.Tensor) -> tuple[list[int], int]:

@@ -329,6 +329,19 @@ class SlotCache:
                 dst[name][s].copy_(t[e])
         return rows.shape[1]
 
+    def copy_parts(self, layer: int, host: ExpertBank) -> list[tuple[int, int, int]] | str:
+        """The layer's parts as the hand-off worker copies them (moe/handoff.py: copies
+        ahead): (host address of expert 0's part, its bytes per expert, its offset in a
+        slot), or why it cannot (a part that is not one contiguous host tensor)."""
+        src = bank_tensors(host)
+        parts = []
+        for p in self.layouts[layer]:
+            t = src[p.name]
+            if not t.is_contiguous() or t.device.type != "cpu":
+                return f"MoE layer {layer}'s {p.name} is not one contiguous host tensor"
+            parts.append((t.data_ptr(), p.nbytes, p.offset))
+        return parts
+
     def fill_on_device(self, layer: int, host: ExpertBank, fetched: torch.Tensor,
                        programs: int | None = None) -> None:
         """`fill` by a GPU kernel that reads the pinned host bank directly (kernels/triton/

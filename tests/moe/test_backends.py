@@ -244,6 +244,10 @@ def test_backend_matches_fused(case, backend, rate, batch, device="cpu"):
         # call counted as hits where it routed to them (cpu fetches nothing)
         if backend == "hybrid":
             assert 0 < c["ahead"] and c["ahead_hits"] <= min(c["ahead"], c["hits"]), c
+            # copied by the hand-off's worker after its jobs (moe/handoff.py: copies ahead),
+            # every expert the plans gave a slot ahead
+            got = rt.cache._handoff.ahead_stats()
+            assert got["lists"] > 0 and got["copied"] == c["ahead"], (got, c)
         else:
             assert c["ahead"] == c["ahead_hits"] == 0, c
     if exact:
@@ -294,6 +298,24 @@ def test_shared_expert_added_in_the_receive_changes_no_bit(monkeypatch):
         assert c["cpu"] > 0 and folds
         assert all((f is not None and f[2] is not None) if on == "1" else f is None
                    for f in folds)
+    assert all(torch.equal(a, b) for a, b in zip(logits["1"], logits["0"]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_ahead_copies_by_the_worker_or_a_fill_change_no_bit(device, monkeypatch):
+    """Fetching ahead on the hybrid backend: the experts given slots ahead copied by the
+    hand-off's worker after its jobs (the default: the copy engine on a GPU) or by the fill
+    (FREETOKEN_MOE_AHEAD_WORKER=0: a device kernel, in line with the CPU standing in), the
+    same counters and the same logits bit for bit, 4 sequences."""
+    logits, counters = {}, {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("FREETOKEN_MOE_AHEAD_WORKER", on)
+        _, logits[on], counters[on], _, rt = run_backend("qwen3_moe-gguf", "hybrid", Q, 4,
+                                                         device=device)
+        assert rt.cache._handoff.copies is (on == "1")
+        assert counters[on]["ahead"] > 0
+    assert counters["1"] == counters["0"]
     assert all(torch.equal(a, b) for a, b in zip(logits["1"], logits["0"]))
 
 

@@ -463,3 +463,130 @@ def test_shared_receive_folds_the_next_residual_step(T, hidden, gated, dtype, qu
     assert util.check_folded_step(got, want, res, weight, quantize) == gate_folds(hidden)
     assert gate_folds(hidden) == (hidden > 256)
     assert waits.tolist() == [0, 2]
+
+
+def _copying(banks, dev: str, slots: int = 5):
+    """(a Handoff whose worker copies ahead lists into `got`'s pool, got, ref: two slot
+    caches over the same host banks, the host banks: pinned and registered on a GPU)."""
+    from freetoken.moe.slot_cache import SlotCache
+
+    hosts = banks
+    if dev == "cuda":
+        from freetoken.moe.host_banks import host_bank
+
+        hosts = [host_bank(b, True) for b in banks]
+    got, ref = SlotCache(hosts, slots, dev), SlotCache(hosts, slots, dev)
+    ho = Handoff(CpuMoeExecutor(1), banks, K, torch.device(dev), MAX_T)
+    parts = [got.copy_parts(i, h) for i, h in enumerate(hosts)]
+    assert ho.start_copies(got.pool, got.slot_bytes, parts) is None and ho.copies
+    return ho, got, ref, hosts
+
+
+# (layer, predicted routes) of successive calls: the ahead plans take up to 2 of 5 slots
+# each; the calls between them (a plan fetching nothing) move the clock, so that later lists
+# evict slots that earlier lists filled; the last list is empty (its experts have slots)
+_AHEAD_STEPS = ((0, [[1, 4, 6]]), (1, [[2, 3, 7]]), (0, [[0, 5], [6, 2]]), (1, [[5, 1]]),
+                (0, [[3, 7, 2]]), (0, [[3, 7, 2]]), (0, [[3, 7, 2]]))
+
+
+def test_the_worker_copies_ahead_lists_into_their_slots(banks):
+    """moe/handoff.py copies ahead: each list the plan gives slots ahead is copied by the
+    worker into exactly those slots (the pool equals a cache filled by `SlotCache.fill`),
+    the wait returns once they are there; on a GPU by the copy engine, eagerly, then as
+    a CUDA graph replayed with new routes."""
+    ho, got, ref, hosts = _copying(banks, DEV)
+    lists, sizes = 0, []
+    for i, (layer, ids) in enumerate(_AHEAD_STEPS):
+        t = torch.tensor(ids, device=DEV)
+        if i % 2:
+            got.plan(layer, t, 0), ref.plan(layer, t, 0)
+        a, b = got.plan_ahead(layer, t, 2), ref.plan_ahead(layer, t, 2)
+        assert torch.equal(a, b)
+        sizes.append(int((a[0] >= 0).sum()))
+        ho.post_ahead(layer, a)
+        ho.wait_ahead(layer)
+        ref.fill(layer, hosts[layer], b)
+        _sync()
+        ho.check()
+        lists += 1
+        assert torch.equal(got.pool, ref.pool), f"step {i}"
+    assert ho.ahead_stats() == {"lists": lists, "copied": sum(sizes)}
+    assert 0 in sizes and sum(sizes) > 5, sizes  # an empty list; slots filled again
+    if DEV == "cuda":
+        t = torch.tensor([[0, 1, 2]], device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            got.plan(1, t, 0)
+            a = got.plan_ahead(1, t, 2)
+            ho.post_ahead(1, a)
+            ho.wait_ahead(1)
+        for ids in ([[3, 4, 7]], [[0, 6, 5]], [[1, 2, 3]]):
+            t.copy_(torch.tensor(ids))
+            g.replay()
+            ref.plan(1, t, 0)
+            ref.fill(1, hosts[1], ref.plan_ahead(1, t, 2))
+            torch.cuda.synchronize()
+            ho.check()
+            assert torch.equal(got.pool, ref.pool), ids
+    ho.close()
+
+
+def test_an_ahead_list_beside_jobs_and_a_bad_list(banks):
+    """With the CPU standing in: a list posted while a job is pending is copied and the job
+    answered as the reference says; a list for a layer without parts is an error that names
+    it, and the next list is served."""
+    ho, got, ref, hosts = _copying(banks, "cpu")
+    x, ids, w, emap = _inputs(21, 2)
+    ho.set_live(2)
+    t = torch.tensor([[1, 4, 6]])
+    a, b = got.plan_ahead(1, t, 2), ref.plan_ahead(1, t, 2)
+    ho.send(0, x, ids, w, emap, "silu")
+    ho.post_ahead(1, a)
+    _close(ho.receive(torch.zeros(2, H)), _expected(banks[0], x, ids, w, emap, 2))
+    ho.wait_ahead(1)
+    ref.fill(1, hosts[1], b)
+    assert torch.equal(got.pool, ref.pool)
+    ho.post_ahead(7, a)  # no layer 7: served, with an error
+    with pytest.raises(RuntimeError, match="ahead list 2 for MoE layer 7"):
+        ho.wait_ahead(7)
+    ho.post_ahead(0, got.plan_ahead(0, t, 1))
+    ho.wait_ahead(0)
+    assert ho.ahead_stats()["lists"] == 3
+    ho.close()
+
+
+@pytest.mark.parametrize("n,valid", [(3, [0, 2]), (8, [1, 2, 3, 4, 5, 6, 7]), (2, [])])
+def test_ahead_kernels_write_the_list_and_wait_for_its_copies(n, valid, monkeypatch):
+    """kernels/triton/handoff.post_ahead (CUDA, else Triton's interpreter): the valid pairs
+    packed in order, their count, the layer and the tag (the list counter + 1) in area
+    tag & 1, the layer's entry of the device table; wait_ahead returns where ahead_done has
+    reached that number and sets the timeout word where it never does."""
+    import numpy as np
+
+    from freetoken.kernels.triton import handoff
+    from freetoken.moe.handoff import layout
+
+    off = layout(MAX_T, K, E, H)
+    buf = torch.zeros(off["size"], dtype=torch.uint8, pin_memory=DEV == "cuda")
+    e = torch.full((n,), -1, dtype=torch.int64)
+    s = torch.full((n,), -1, dtype=torch.int64)
+    for j, i in enumerate(valid):
+        e[i], s[i] = 10 + i, 20 + j
+    seq = torch.tensor([6], dtype=torch.int32, device=DEV)
+    want = torch.zeros(3, dtype=torch.int32, device=DEV)
+    handoff.post_ahead(torch.stack([e, s]).to(DEV), seq, want, buf, off, 2)
+    _sync()
+    words = buf.numpy().view(np.int32)
+    area = (off["ahead"] + (7 & 1) * (16 + 8 * off["ahead_max"])) // 4
+    assert words[area:area + 3].tolist() == [7, 2, len(valid)]
+    pairs = words[area + 4:area + 4 + 2 * len(valid)].reshape(-1, 2).tolist()
+    assert pairs == [[10 + i, 20 + j] for j, i in enumerate(valid)]
+    assert seq.tolist() == [7] and want.tolist() == [0, 0, 7]
+    monkeypatch.setattr(handoff, "TIMEOUT_S", 20e-9 if DEV == "cpu" else 1e-3)
+    done = off["ahead_done"] // 4
+    for value, late in ((7, 0), (9, 0), (6, 1)):
+        words[done] = value
+        words[off["timeout"] // 4] = 0
+        handoff.wait_ahead(want, 2, buf, off)
+        _sync()
+        assert int(words[off["timeout"] // 4]) == late, value

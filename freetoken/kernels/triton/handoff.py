@@ -21,6 +21,11 @@ both are mapped at the same address on the device, which Triton takes as a point
   predicted routes on live rows that its map gives no slot, most-routed first, then the lower
   id: the slot plan's fetch order), their count and the layer into the buffer's hint, then
   the tag (the job number the plan kernel just posted) after a system-scope fence.
+- `post_ahead`: one program lists the experts given slots ahead of the next layer's call
+  ((expert, slot) pairs) for the worker, who copies them after its job with the copy engine;
+  the list's number (a device counter) goes to the buffer's tag last and to the layer's
+  entry of a device table; `wait_ahead` polls `ahead_done` (which the worker's stream writes
+  once the copies are complete) until it reaches that number, bounded as the receive's wait.
 - `fill`: copies fetched experts (the plan's (expert, slot) list, -1 = nothing) from the
   host bank's parts into their slots: a grid over (fetch, part, chunk) of PCIe reads; each
   part's host address, slot offset and size come from a small table on the device.
@@ -278,6 +283,49 @@ def _hint_kernel(ids_ptr, map_ptr, live_ptr, seq_ptr, hi32, o_hint, layer, T, K,
 
 
 @triton.jit
+def _ahead_post_kernel(fetched_ptr, n, seq_ptr, want_ptr, layer, hi32, o_ahead, area_words,
+                       NB: tl.constexpr, ASM: tl.constexpr):
+    """See `post_ahead`: the valid (expert >= 0) pairs packed in order, their count, the
+    layer, then the tag a (area a & 1) after a system-scope fence; want[layer] = a."""
+    a = tl.load(seq_ptr) + 1
+    tl.store(seq_ptr, a)
+    o = o_ahead + (a & 1) * area_words
+    i = tl.arange(0, NB)
+    e = tl.load(fetched_ptr + i, mask=i < n, other=-1)
+    s = tl.load(fetched_ptr + n + i, mask=i < n, other=-1)
+    ok = e >= 0
+    pos = tl.cumsum(ok.to(tl.int32), axis=0) - 1
+    tl.store(hi32 + o + 4 + 2 * pos, e.to(tl.int32), mask=ok)
+    tl.store(hi32 + o + 5 + 2 * pos, s.to(tl.int32), mask=ok)
+    tl.store(hi32 + o + 1, layer)
+    tl.store(hi32 + o + 2, tl.sum(ok.to(tl.int32), axis=0))
+    tl.store(want_ptr + layer, a)
+    job_post(a, hi32, o, ASM)
+
+
+@triton.jit
+def _ahead_wait_kernel(want_ptr, layer, hi32, o_done, o_timeout, timeout_ns,
+                       ASM: tl.constexpr):
+    """Poll `ahead_done` until it reaches want[layer] (int32 order, wrapping), or give up
+    after timeout_ns and set the timeout word."""
+    a = tl.load(want_ptr + layer)
+    if ASM:
+        t0 = _now_ns(a)
+        waited = t0 - t0
+    else:
+        waited = a.to(tl.int64) * 0
+    d = tl.load(hi32 + o_done, volatile=True)
+    while ((d - a) < 0) & (waited < timeout_ns):
+        d = tl.load(hi32 + o_done, volatile=True)
+        if ASM:
+            waited = _now_ns(d) - t0
+        else:
+            waited += 1
+    if (d - a) < 0:
+        tl.store(hi32 + o_timeout, 1)
+
+
+@triton.jit
 def _copy_chunk(pool_ptr, pool_addr, src_addr, e, dst0, nw, c0, CHUNK: tl.constexpr,
                 BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Words c0 .. c0 + CHUNK (those below nw) of expert e's part at src_addr into the pool
@@ -434,6 +482,28 @@ def post_hint(ids: torch.Tensor, emap: torch.Tensor, live: torch.Tensor, seq: to
                        off["hint"] // 4, layer, T, K, E, RB=triton.next_power_of_2(T * K),
                        EB=triton.next_power_of_2(E), HMAX=off["hint_max"],
                        ASM=not interpreting(), num_warps=4)
+
+
+def post_ahead(fetched: torch.Tensor, seq: torch.Tensor, want: torch.Tensor, buf: torch.Tensor,
+               off: dict, layer: int) -> None:
+    """The ahead list of MoE layer `layer` (moe/handoff.py `Handoff.post_ahead`): fetched
+    int64 [2, n] (expert, slot; -1 = none); seq int32 [1] the lists' counter, want int32 [L]
+    the last list of each layer, both on the device."""
+    n = fetched.shape[1]
+    if n > off["ahead_max"]:
+        raise ValueError(f"post_ahead: {n} experts, the list holds {off['ahead_max']}")
+    _ahead_post_kernel[(1,)](fetched, n, seq, want, layer, buf.view(torch.int32),
+                             off["ahead"] // 4, (16 + 8 * off["ahead_max"]) // 4,
+                             NB=max(16, triton.next_power_of_2(n)), ASM=not interpreting(),
+                             num_warps=1)
+
+
+def wait_ahead(want: torch.Tensor, layer: int, buf: torch.Tensor, off: dict) -> None:
+    """Wait on the device until the worker's copies of layer `layer`'s last ahead list are
+    complete (`_ahead_wait_kernel`)."""
+    _ahead_wait_kernel[(1,)](want, layer, buf.view(torch.int32), off["ahead_done"] // 4,
+                             off["timeout"] // 4, int(TIMEOUT_S * 1e9), ASM=not interpreting(),
+                             num_warps=1)
 
 
 def fill_table(parts: list[tuple[torch.Tensor, int, int]], device) -> tuple[torch.Tensor, bool]:
