@@ -369,5 +369,11 @@ class SlotCache:
         return self._fill_tables[key]
 
     def read_counters(self) -> dict[str, int]:
-        return dict(zip(COUNTERS, self.counters.tolist()))
+        """The counters, read through pinned memory and an event (`sampler.read_ids`): a
+        pageable copy would hold the CUDA driver while it waits for the device, and a step in
+        flight may wait for the hand-off worker's copies (moe/handoff.py: copies ahead), which
+        need the driver too."""
+        from freetoken.engine.sampler import read_ids
+
+        return dict(zip(COUNTERS, read_ids(self.counters)))
 
