@@ -24,6 +24,22 @@ int64_t now_us() {
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+// Poll the word at p until reached(its value): a short spin, then polls 20 us apart (the
+// waiting thread must not take a core from the worker's pool: on a small machine they share
+// the cores). False after timeout_s.
+template <class Reached>
+bool poll_word(const uint8_t* p, Reached reached, double timeout_s) {
+  const int64_t t0 = now_us();
+  while (!reached(load_acquire(p))) {
+    const int64_t dt = now_us() - t0;
+    if (dt > timeout_s * 1e6) return false;
+    if (dt < 20)
+      _mm_pause();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+  return true;
+}
 float to_f32(const uint8_t* x, int dtype, int64_t i) {
   if (dtype == 0) return reinterpret_cast<const float*>(x)[i];
   uint16_t h;
@@ -61,21 +77,11 @@ void HandoffWorker::set_layer(int64_t layer, const Bank& w13, const Bank& w2,
 void HandoffWorker::post(uint32_t n) { store_release(buf_ + lay_.go, n); }
 
 bool HandoffWorker::wait(uint32_t n, double timeout_s) {
-  // A short spin, then polls 20 us apart: the waiting thread must not take a core from the
-  // worker's pool (on a small machine they share the cores).
-  const int64_t t0 = now_us();
-  while (load_acquire(buf_ + lay_.done) != n) {
-    const int64_t dt = now_us() - t0;
-    if (dt > timeout_s * 1e6) {
-      std::lock_guard<std::mutex> g(err_mu_);
-      err_ = "no answer to job " + std::to_string(n) + " within " +
-             std::to_string(timeout_s) + " s";
-      return false;
-    }
-    if (dt < 20)
-      _mm_pause();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  if (!poll_word(buf_ + lay_.done, [n](uint32_t d) { return d == n; }, timeout_s)) {
+    std::lock_guard<std::mutex> g(err_mu_);
+    err_ = "no answer to job " + std::to_string(n) + " within " + std::to_string(timeout_s) +
+           " s";
+    return false;
   }
   return load_acquire(buf_ + lay_.error) == 0;
 }
@@ -107,11 +113,7 @@ void HandoffWorker::loop(uint32_t last) {
         run_job();
       } catch (const std::exception& e) {
         std::memset(buf_ + lay_.out, 0, lay_.max_tokens * lay_.hidden * sizeof(float));
-        {
-          std::lock_guard<std::mutex> g(err_mu_);
-          err_ = e.what();
-        }
-        store_release(buf_ + lay_.error, 1);
+        fail(e.what());
       }
       last = n;
       jobs_.fetch_add(1, std::memory_order_relaxed);
@@ -168,19 +170,13 @@ void HandoffWorker::set_copy_layer(int64_t layer, const std::vector<int64_t>& pa
 }
 
 bool HandoffWorker::wait_ahead(uint32_t a, double timeout_s) {
-  const int64_t t0 = now_us();
-  while (static_cast<int32_t>(load_acquire(buf_ + lay_.ahead_done) - a) < 0) {
-    const int64_t dt = now_us() - t0;
-    if (dt > timeout_s * 1e6) {
-      std::lock_guard<std::mutex> g(err_mu_);
-      err_ = "the copies of ahead list " + std::to_string(a) + " did not complete within " +
-             std::to_string(timeout_s) + " s";
-      return false;
-    }
-    if (dt < 20)
-      _mm_pause();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  // reached in wrapping order: a later list's number also means list a is done
+  const auto reached = [a](uint32_t d) { return static_cast<int32_t>(d - a) >= 0; };
+  if (!poll_word(buf_ + lay_.ahead_done, reached, timeout_s)) {
+    std::lock_guard<std::mutex> g(err_mu_);
+    err_ = "the copies of ahead list " + std::to_string(a) + " did not complete within " +
+           std::to_string(timeout_s) + " s";
+    return false;
   }
   return load_acquire(buf_ + lay_.error) == 0;
 }

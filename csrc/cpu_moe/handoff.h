@@ -104,7 +104,7 @@ class HandoffWorker {
   void warm_next(uint32_t n);
   void count_warmed(const int32_t* ids, const int32_t* map, int64_t live);
   void serve_ahead();
-  void fail(const std::string& what);
+  void fail(const std::string& what);  // the error (last_error), then the buffer's error word
 
   Executor* ex_;
   uint8_t* buf_;

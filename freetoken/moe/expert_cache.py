@@ -303,8 +303,9 @@ class ExpertCache:
         attention, when the copy engine is idle; that call then finds them as hits (and the
         CPU computes fewer experts). With warming on, the next layer's hint follows them (it
         then names only experts without a slot). On a GPU all of it runs on the ahead stream
-        after the job was posted; live: the plan's. Returns the fetch list for `_ahead_fill`,
-        or None."""
+        after the job was posted; live: the plan's. Posted to the hand-off's worker where it
+        copies them. Returns (the fetch list, the plan's event on a GPU, whether the worker
+        copies) for `_ahead_fill`, or None."""
         nxt = self._predicted(layer, x) if self.fetch_ahead else None
         if nxt is None:
             return None
