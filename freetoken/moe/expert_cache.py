@@ -25,9 +25,10 @@ microseconds at decode) and the copy engine is idle. So each call also gives up 
 next MoE layer's predicted misses (its router on this call's input) slots and copies them in
 then; that call finds them as hits and has fewer misses to split. Where a call hands work to
 the CPU, the hand-off's worker copies them once it has answered the call's job, with the copy
-engine (moe/handoff.py: copies ahead), and the next call waits for them before its fill; else
-(or FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on a stream of its own, which takes SMs from
-the kernels beside it.
+engine (moe/handoff.py: copies ahead); else (or FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on
+a stream of its own, which takes SMs from the kernels beside it. The next call fills its own
+fetches beside those copies (its plan does not evict slots given ahead for it: they carry its
+clock) and waits for them only before its device kernel reads the slots.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ PREFILL_TOKENS = 64
 # the step still ran 11% slower with the copies queued behind the call's own fill; queued
 # after the receive, on 8 programs a part, 6% (135.6 -> 128.1 tok/s, 2026-12-03). Copied by the
 # hand-off worker with the copy engine (30B Q4_K hybrid, H100 host, 2026-12-05): 99-100% hits,
-# 14% fewer CPU experts, no faster step (the next call's fill waits behind the ahead copy)
+# 14% fewer CPU experts, no faster step (the next call's fill then waited behind the ahead
+# copy; it now goes beside it: not yet measured on a GPU)
 FETCH_AHEAD = 0
 # Programs of an ahead fill per fetched part: its copies run beside the device's critical path
 # (attention, router), whose kernels a fill of one program per 16 KiB chunk slowed: on the
@@ -230,8 +232,8 @@ class ExpertCache:
         if ho is not None and not capturing:
             ho.set_live(T)  # an eager call's rows are all real
         on_gpu = self.device.type == "cuda"
-        # this layer's slots given ahead by the last call: its plan after their plan, its
-        # fill (and so the kernel reading them) after their copies
+        # this layer's slots given ahead by the last call: its plan after their plan, the
+        # kernel reading them after their copies (its own fill, into other slots, beside them)
         ahead_plan, ahead_fill = self._ahead_events.pop(layer, (None, None))
         self._join_ahead(layer, ahead_plan, None)
         with record_function("moe.plan"):
@@ -255,7 +257,6 @@ class ExpertCache:
                 ho.send(layer, x, ids, w, emap, activation)
         hinted = (ho is not None and on_gpu and self.ahead_stream is None
                   and self._hint(layer, x, ho, capturing))
-        self._join_ahead(layer, None, ahead_fill)
         with record_function("moe.fill"):
             if self.never_fetches:
                 pass  # the cpu backend: nothing to fill (no empty launch per layer)
@@ -266,6 +267,7 @@ class ExpertCache:
                                    "(a part's bytes are not a multiple of 4)")
             else:
                 self._fill(layer, fetched)
+        self._join_ahead(layer, None, ahead_fill)
         last = fold if ho is None and side is None else None  # the device kernel's
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap,
@@ -338,8 +340,8 @@ class ExpertCache:
         the next layer's attention and router, when the link is idle. (Queued after this
         call's own fill instead, they ran while the receive polled the host for the CPU's
         answer over the same link, whose reads then waited behind theirs: the 35B hybrid
-        lost 11% at batch 1 on the H200.) The next layer's call waits for the copies before
-        its own fill."""
+        lost 11% at batch 1 on the H200.) The next layer's call fills its own fetches beside
+        them and waits for them before its device kernel."""
         c = self.cache
         fetched, planned, worker = ahead
         if worker:  # copied by the hand-off worker after this call's job: joined by a wait

@@ -12,8 +12,10 @@ step needs no host sync to decide hits, victims and the map (a CUDA graph can ho
   masked writes go to (fixed shapes instead of data-dependent ones);
 - `owner` int64 `[S + 1]`: slot -> layer * E + expert or -1 (last entry: sink);
 - `last_use` int64 `[S + 1]`: the clock of the slot's last use (LRU); -1 = empty;
-- `clock` int64 `[1]`: advanced once per layer call. A slot whose last_use equals the clock
-  is used by the current call and is never evicted by it.
+- `clock` int64 `[1]`: advanced once per layer call. A slot whose last_use is the clock (or
+  after it) is used by the current call and is never evicted by it; `plan_ahead` stamps its
+  slots with the next call's clock, so that call's fetches do not take them while their
+  copies may still be in flight.
 - `fresh` int32 `[S + 1]`: 1 where a slot was filled ahead of its layer's call (`plan_ahead`)
   and that call has not used it yet.
 Counters (int64 `[6]`: hits, misses, fetched, cpu, distinct experts per layer call; ahead, the
@@ -214,8 +216,10 @@ class SlotCache:
         routes its router gives the previous layer's input) that no slot holds, taken before
         that layer's call (ExpertCache: fetching ahead, while the device runs the layers in
         between): most-routed first, then the first predicted. The clock does not move: the
-        slots the current call uses stay protected, the new ones are stamped with it (so the
-        next call's fetches evict older slots first) and marked fresh; hits are not touched.
+        slots the current call uses stay protected; the new ones are marked fresh and stamped
+        with the next call's clock, so that call's fetches do not evict them (it fills its own
+        slots while these copies may still run) and counts them as used by it; hits are not
+        touched.
         Returns `fetched` int64 [2, n] like `plan` (n = min(E, T*k)). On a GPU, one launch
         (`slot_plan.ahead_triton`; live as for `plan`).
         """
@@ -238,7 +242,7 @@ class SlotCache:
         f = torch.minimum(torch.minimum((cand_score >= 0).sum(), free),
                           torch.as_tensor(max(0, min(limit, nv)), device=ids.device))
         fetch = torch.arange(n, device=ids.device) < f
-        self._assign(base + cand, vict, fetch)
+        self._assign(base + cand, vict, fetch, self.clock + 1)
         self.fresh.index_put_((torch.where(fetch, vict, S),),
                               torch.ones_like(vict, dtype=torch.int32))
         zero = torch.zeros_like(f)
@@ -246,11 +250,11 @@ class SlotCache:
         return torch.stack([torch.where(fetch, cand, -1), torch.where(fetch, vict, -1)])
 
     def _victims(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(the n slots fetches take in turn: the oldest not stamped with the clock, among
-        equally old ones the lower index, the last repeated past nv; how many slots are not
-        stamped, a 0-dim tensor; nv = min(n, S))."""
+        """(the n slots fetches take in turn: the oldest stamped before the clock, among
+        equally old ones the lower index, the last repeated past nv; how many slots are
+        stamped before it, a 0-dim tensor; nv = min(n, S))."""
         S = self.num_slots
-        protected = self.last_use[:S] == self.clock
+        protected = self.last_use[:S] >= self.clock
         order = self.last_use[:S] * (S + 1) + torch.arange(S, device=self.device)
         nv = min(n, S)
         victims = torch.topk(torch.where(protected, _NEVER, order), nv, largest=False).indices
@@ -267,9 +271,11 @@ class SlotCache:
         table = limit_table(policy, LIMIT_TABLE, self.device)
         return table, self.num_experts if cap is None else cap
 
-    def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor) -> None:
+    def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor,
+                stamp: torch.Tensor | None = None) -> None:
         """slot_of[keys] = slots where fetch, evicting the slots' old owners (a fresh slot
-        evicted before its call used it is no longer fresh)."""
+        evicted before its call used it is no longer fresh); their last_use = stamp (a [1]
+        tensor, default the clock)."""
         S, sink = self.num_slots, self.slot_of.numel() - 1
         self.fresh.index_put_((torch.where(fetch, slots, S),),
                               torch.zeros_like(slots, dtype=torch.int32))
@@ -278,7 +284,8 @@ class SlotCache:
         self.slot_of.index_put_((gone,), torch.full_like(gone, -1, dtype=torch.int32))
         self.owner.index_put_((torch.where(fetch, slots, S),), keys)
         self.slot_of.index_put_((torch.where(fetch, keys, sink),), slots.to(torch.int32))
-        self.last_use.index_put_((torch.where(fetch, slots, S),), self.clock.expand_as(slots))
+        stamp = self.clock if stamp is None else stamp
+        self.last_use.index_put_((torch.where(fetch, slots, S),), stamp.expand_as(slots))
 
     def warm(self, hosts: list[ExpertBank]) -> None:
         """Fill every slot at load, spread evenly over the layers (expert j of layer l in slot

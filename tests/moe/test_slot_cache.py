@@ -3,7 +3,9 @@ its byte pool against the banks it copies from, and the cache-size checks.
 
 Rules (DESIGN.md): a layer call marks its hits used; each fetched miss takes the least
 recently used slot that this call does not use (empty slots first; among equally old slots
-the lower index); misses are fetched most-routed first (then the lower expert id).
+the lower index); misses are fetched most-routed first (then the lower expert id). Slots
+given ahead to the next call's layer are stamped with that call's clock: its fetches never
+take them (their copies may still be in flight while it fills its own).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class LruModel:
             self.last[where[(layer, e)]] = self.clock
         misses = sorted((e for e in counts if (layer, e) not in where),
                         key=lambda e: (-counts[e], e))
-        free = sorted((s for s in range(len(self.owner)) if self.last[s] != self.clock),
+        free = sorted((s for s in range(len(self.owner)) if self.last[s] < self.clock),
                       key=lambda s: (self.last[s], s))
         f = min(len(misses), len(free), limit)
         self.ahead_hits += sum(where[(layer, e)] in self.fresh for e in hits)
@@ -77,18 +79,19 @@ class LruModel:
 
     def ahead(self, layer: int, ids: list[int], limit: int) -> list[tuple[int, int]]:
         """Slots for up to `limit` predicted experts of `layer` before its call: the clock
-        stays, the new slots are stamped with it and fresh. Returns the (expert, slot) pairs."""
+        stays, the new slots are stamped with the next call's clock (so that call does not
+        evict them) and fresh. Returns the (expert, slot) pairs."""
         counts: dict[int, int] = {}
         for e in ids:
             counts[e] = counts.get(e, 0) + 1
         where = {o: s for s, o in enumerate(self.owner) if o is not None}
         want = sorted((e for e in counts if (layer, e) not in where),
                       key=lambda e: (-counts[e], ids.index(e)))
-        free = sorted((s for s in range(len(self.owner)) if self.last[s] != self.clock),
+        free = sorted((s for s in range(len(self.owner)) if self.last[s] < self.clock),
                       key=lambda s: (self.last[s], s))
         f = min(len(want), len(free), limit)
         for e, s in zip(want[:f], free[:f]):
-            self.owner[s], self.last[s] = (layer, e), self.clock
+            self.owner[s], self.last[s] = (layer, e), self.clock + 1
             self.fresh.add(s)
         return list(zip(want[:f], free[:f]))
 
@@ -116,6 +119,7 @@ def test_lru_matches_python_model(slots, limit, ahead):
     total = {"hits": 0, "misses": 0, "fetched": 0, "ahead": 0}
     calls = [torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(1 + step % 3)])
              for step in range(61)]
+    ahead_slots: set[int] = set()
     for step in range(60):
         layer = step % L
         ids = calls[step]
@@ -124,6 +128,10 @@ def test_lru_matches_python_model(slots, limit, ahead):
         total["hits"] += h
         total["misses"] += m
         total["fetched"] += f
+        # the slots given ahead for this call may still be copied while it fills its own
+        taken = {int(x) for x in fetched[1, fetched[0] >= 0]}
+        assert not taken & ahead_slots, f"step {step}: fetched into slots filled ahead"
+        ahead_slots = set()
         assert int((fetched[0] >= 0).sum()) == f
         assert _table(c) == ref.table(), f"step {step}"
         if ahead:
@@ -133,6 +141,7 @@ def test_lru_matches_python_model(slots, limit, ahead):
                                 torch.randint(0, E, (rows,), generator=g)], 1)
             want = ref.ahead((layer + 1) % L, pred.flatten().tolist(), ahead)
             got = c.plan_ahead((layer + 1) % L, pred, ahead)
+            ahead_slots = {sl for _, sl in want}
             total["ahead"] += len(want)
             assert got[:, :len(want)].t().tolist() == [list(p) for p in want], f"step {step}"
             assert bool((got[:, len(want):] == -1).all())

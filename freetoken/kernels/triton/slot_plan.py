@@ -15,8 +15,10 @@ Steps read what earlier steps wrote, across threads of the program: `tl.debug_ba
 between them (a CTA barrier orders global memory for the block).
 
 `_ahead_kernel` is `SlotCache.plan_ahead` (fetching ahead): slots for up to n of the next
-layer's predicted experts before its call, with the same victim rule and the clock unmoved.
-Slots it fills are `fresh` until their layer's next plan, which counts its hits on them.
+layer's predicted experts before its call, with the same victim rule and the clock unmoved,
+stamped with the next call's clock (that call's fetches leave them alone while their copies
+may still run). Slots it fills are `fresh` until their layer's next plan, which counts its
+hits on them.
 """
 
 from __future__ import annotations
@@ -38,20 +40,23 @@ JOB_BLOCK = 2048
 
 @triton.jit
 def _victim(lu, s, clock, S: tl.constexpr):
-    """The unprotected slot with the smallest (last_use + 1) * (S + 1) + slot of the chunk
-    lu [SB] at slots s: empty slots first, then the oldest, then the lower index; `never`
-    where the chunk has none. last_use + 1 >= 0 (empty: -1): `%` of a negative is negative."""
+    """The unprotected slot (stamped before the clock) with the smallest (last_use + 1) *
+    (S + 1) + slot of the chunk lu [SB] at slots s: empty slots first, then the oldest, then
+    the lower index; `never` where the chunk has none. last_use + 1 >= 0 (empty: -1): `%` of
+    a negative is negative."""
     never = 0x7FFFFFFFFFFFFFFF
-    return tl.min(tl.where((s < S) & (lu != clock), (lu + 1) * (S + 1) + s, never), axis=0)
+    return tl.min(tl.where((s < S) & (lu < clock), (lu + 1) * (S + 1) + s, never), axis=0)
 
 
 @triton.jit
 def _take_slots(exs, f, lu1, s1, clock, last_ptr, owner_ptr, slot_of_ptr, fresh_ptr, out_ptr,
                 base, N, fresh, S: tl.constexpr, SB: tl.constexpr, NB: tl.constexpr):
     """The f experts exs [NB] (layer offset base) take the best victims in turn, each then
-    stamped with the clock (protected): from the registers lu1 (last_use at s1) where one
-    chunk holds the pool, else scans of last_use. Their old owners are evicted, fresh is set
-    to `fresh`, and out [2, N] gets (expert, slot) rows, -1 past f. Returns the mask j < f."""
+    stamped with clock + fresh (protected: the call's clock, or the next call's for slots
+    filled ahead): from the registers lu1 (last_use at s1) where one chunk holds the pool,
+    else scans of last_use. Their old owners are evicted, fresh is set to `fresh`, and
+    out [2, N] gets (expert, slot) rows, -1 past f. Returns the mask j < f."""
+    stamp = clock + fresh
     never = 0x7FFFFFFFFFFFFFFF
     j = tl.arange(0, NB)
     slots = tl.zeros((NB,), tl.int64) - 1
@@ -59,7 +64,7 @@ def _take_slots(exs, f, lu1, s1, clock, last_ptr, owner_ptr, slot_of_ptr, fresh_
         if i < f:
             if SB >= S:  # one chunk: from the registers
                 slot = _victim(lu1, s1, clock, S) % (S + 1)
-                lu1 = tl.where(s1 == slot, clock, lu1)
+                lu1 = tl.where(s1 == slot, stamp, lu1)
             else:
                 key = never
                 for s0 in range(0, S, SB):
@@ -67,13 +72,13 @@ def _take_slots(exs, f, lu1, s1, clock, last_ptr, owner_ptr, slot_of_ptr, fresh_
                     key = tl.minimum(key, _victim(tl.load(last_ptr + s, mask=s < S, other=0),
                                                   s, clock, S))
                 slot = key % (S + 1)
-                tl.store(last_ptr + slot, clock)
+                tl.store(last_ptr + slot, stamp)
                 tl.debug_barrier()
             slots = tl.where(j == i, slot, slots)
     # the f assignments at once: distinct slots, so distinct old owners; the new keys are
     # owners of no slot, so no store below overlaps another
     mine = j < f
-    tl.store(last_ptr + slots, tl.zeros((NB,), tl.int64) + clock, mask=mine)
+    tl.store(last_ptr + slots, tl.zeros((NB,), tl.int64) + stamp, mask=mine)
     tl.store(fresh_ptr + slots, tl.zeros((NB,), tl.int32) + fresh, mask=mine)
     old = tl.load(owner_ptr + slots, mask=mine, other=-1)
     tl.store(slot_of_ptr + old, tl.zeros((NB,), tl.int32) - 1, mask=mine & (old >= 0))
@@ -87,15 +92,15 @@ def _take_slots(exs, f, lu1, s1, clock, last_ptr, owner_ptr, slot_of_ptr, fresh_
 
 @triton.jit
 def _free_slots(last_ptr, clock, limit, S: tl.constexpr, SB: tl.constexpr):
-    """(last_use of the first chunk [SB] in registers, its slot ids, the count of slots not
-    stamped with the clock); no reads where limit is 0 (then nothing is fetched)."""
+    """(last_use of the first chunk [SB] in registers, its slot ids, the count of slots
+    stamped before the clock); no reads where limit is 0 (then nothing is fetched)."""
     s1 = tl.arange(0, SB)
     lu1 = tl.load(last_ptr + s1, mask=(s1 < S) & (limit > 0), other=0)
-    free = tl.sum(((s1 < S) & (lu1 != clock)).to(tl.int32), axis=0)
+    free = tl.sum(((s1 < S) & (lu1 < clock)).to(tl.int32), axis=0)
     for s0 in range(SB, S, SB):  # more chunks: unprotected slots
         s = s0 + tl.arange(0, SB)
         lu = tl.load(last_ptr + s, mask=(s < S) & (limit > 0), other=0)
-        free += tl.sum(((s < S) & (lu != clock)).to(tl.int32), axis=0)
+        free += tl.sum(((s < S) & (lu < clock)).to(tl.int32), axis=0)
     return lu1, s1, free
 
 
@@ -190,7 +195,7 @@ def _ahead_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, fresh_ptr, clock
     """`SlotCache.plan_ahead` in one program: the clock as it is (the current call's slots
     stay protected), up to `limit` of the predicted experts without a slot, most-routed first,
     then the first in ids, each taking the best victim as `_plan_kernel`'s fetches do, marked
-    fresh; counters[4] += their number."""
+    fresh and stamped with the next call's clock; counters[4] += their number."""
     clock = tl.load(clock_ptr)
     e = tl.arange(0, EB)
     e_ok = e < E
