@@ -43,7 +43,7 @@ from freetoken import env
 from freetoken.kernels.moe import fused_moe
 from freetoken.kernels.norm import take_fold
 from freetoken.moe.banks import ExpertBank
-from freetoken.moe.handoff import HINT_ROUTES, Handoff
+from freetoken.moe.handoff import HINT_ROUTES, WAIT_TIMEOUT_S, Handoff
 from freetoken.moe.host_banks import executor_bank
 from freetoken.moe.policy import FetchPolicy, prepare_limit_tables
 from freetoken.moe.slot_cache import SlotCache
@@ -182,9 +182,35 @@ class ExpertCache:
             self._handoff.set_live(num_tokens)
 
     def after_step(self) -> None:
-        """Raise what the hand-off's worker or wait reported during the step."""
-        if self._handoff is not None:
-            self._handoff.check()
+        """Raise what the hand-off's worker or wait reported during the step (or a step
+        before it: a GPU's step may still run). After a failure the cache recovers first:
+        the device finishes, the worker's late answers and copies land (`Handoff.drain`), and
+        every slot is filled again as at load, so that no later step reads a slot a late copy
+        overwrote."""
+        ho = self._handoff
+        if ho is None:
+            return
+        try:
+            ho.check()
+        finally:
+            if ho.failed:
+                self._recover(ho)
+
+    def _recover(self, ho: Handoff) -> None:
+        ho.failed = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing more posted while it drains
+        drained = ho.drain()
+        with torch.inference_mode():  # the tables may be inference tensors (made under it)
+            self.cache.clear()
+            self.cache.warm(self.hosts)
+        if drained:
+            logger.warning("CPU MoE hand-off failed: the expert cache was filled again as at "
+                           "load (late copies may have written its slots)")
+        else:
+            logger.error("CPU MoE hand-off failed and its worker did not finish within %.0f "
+                         "s: the expert cache was filled again, but a copy still in flight "
+                         "may write a slot later", WAIT_TIMEOUT_S)
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                 activation: str, side: Callable | None = None):

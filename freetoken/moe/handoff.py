@@ -39,6 +39,8 @@ the next layer's call waits for it (`wait_ahead`) before it reads those slots.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -130,6 +132,8 @@ class Handoff:
         self._ahead_n = 0  # with the CPU standing in: the last list posted, per layer its own
         self._ahead_want: dict[int, int] = {}
         self._copy_stream = None
+        # set when check() reported a failure, until the owner has drained and recovered
+        self.failed = False
 
     def close(self) -> None:
         """Stop the worker (before the buffer it polls is freed)."""
@@ -226,6 +230,28 @@ class Handoff:
         if a is not None and not self._worker.wait_ahead(a, WAIT_TIMEOUT_S):
             self._host["error"][0] = 1
             self.check()
+
+    def drain(self, timeout_s: float = WAIT_TIMEOUT_S) -> bool:
+        """Wait until the worker has answered the last job posted and completed the copies of
+        the last ahead list posted; the device must post nothing meanwhile (idle). After a
+        failed step (a wait that timed out) the worker may still be at work on that step: a
+        late copy would land in a slot that a later plan gave another expert. False after
+        timeout_s."""
+        words = self.buf.numpy().view(np.uint32)
+        o = self.off
+
+        def word(name: str) -> int:
+            return int(words[o[name] // 4])
+
+        area = (16 + 8 * o["ahead_max"]) // 4
+        t0, t1 = (int(words[o["ahead"] // 4 + i * area]) for i in (0, 1))
+        last = t0 if _wrapped(t0 - t1) > 0 else t1  # the newer list's number (0: none yet)
+        start = time.monotonic()
+        while word("done") != word("go") or (last and _wrapped(word("ahead_done") - last) < 0):
+            if time.monotonic() - start > timeout_s:
+                return False
+            time.sleep(1e-4)
+        return True
 
     def ahead_stats(self) -> dict[str, int]:
         """Since the worker started: ahead `lists` served and experts `copied`."""
@@ -336,15 +362,23 @@ class Handoff:
         return (y.float() + out).to(y.dtype)
 
     def check(self) -> None:
-        """Raise the worker's error, or a GPU wait that timed out, once (then clear it)."""
+        """Raise the worker's error, or a GPU wait that timed out, once (then clear it, and
+        set `failed` for the owner's recovery: moe/expert_cache.py `after_step`)."""
         if int(self._host["error"][0]):
             self._host["error"][0] = 0
+            self.failed = True
             raise RuntimeError(f"CPU MoE hand-off failed: {self._worker.last_error}")
         if int(self._host["timeout"][0]):
             self._host["timeout"][0] = 0
+            self.failed = True
             raise RuntimeError("CPU MoE hand-off: the GPU waited more than its timeout for the "
                                "CPU worker's answer or its copies ahead; that step's MoE "
                                "outputs are wrong")
+
+
+def _wrapped(d: int) -> int:
+    """A difference of two uint32 sequence numbers as a signed one (they wrap)."""
+    return (d + 2**31) % 2**32 - 2**31
 
 
 def hint_order(ids: torch.Tensor, emap: torch.Tensor) -> tuple[list[int], int]:

@@ -302,6 +302,16 @@ class SlotCache:
             if self.device_fill:  # its part table now: a CUDA graph capture cannot make it
                 self._fill_table(layer, hosts[layer])
 
+    def clear(self) -> None:
+        """Forget every slot's expert (all empty; the counters stay): after a failed hand-off
+        whose late copies may have written slots given to other experts since (ExpertCache
+        `after_step`). In place, so CUDA graphs keep their addresses; ordered on the current
+        stream."""
+        self.slot_of.fill_(-1)
+        self.owner.fill_(-1)
+        self.last_use.fill_(-1)
+        self.fresh.zero_()
+
     def expert_map(self, layer: int) -> torch.Tensor:
         """int32 [E]: the layer's expert -> slot, -1 where not cached (a copy)."""
         E = self.num_experts

@@ -426,5 +426,62 @@ def test_engine_counters_and_decode_log(caplog):
     assert "fetch ahead: up to 1 of the next layer's predicted misses" in caplog.text
 
 
+class _LateOnce:
+    """The hand-off worker, whose next answer is reported late once (as a wait that timed
+    out would be) though it comes: the step fails while the worker may still copy."""
+
+    def __init__(self, worker):
+        self.worker, self.late = worker, True
+
+    def wait(self, n, timeout_s):
+        if self.late:
+            self.late = False
+            self.worker.wait(n, timeout_s)
+            return False
+        return self.worker.wait(n, timeout_s)
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+
+def test_a_failed_hand_off_fails_its_requests_and_the_cache_recovers(caplog):
+    """A step whose CPU answer comes late: its request ends with the hand-off's error, the
+    worker is drained and every slot filled again as at load (late copies ahead may have
+    written slots given to other experts since), and the next request gets the tokens of a
+    run that never failed."""
+    from freetoken.engine.engine import Engine
+    from freetoken.engine.sampling_params import SamplingParams
+    from freetoken.moe.slot_cache import SlotCache
+
+    cfg = EngineConfig(model=str(hf_source("qwen3_moe")), moe_backend="hybrid",
+                       moe_cache_size=4, moe_fetch_ahead=1, show_progress=False)
+    engine = Engine(cfg)
+
+    def run(rid: str):
+        engine.add_request(rid, PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.finished]
+        return outs[-1]
+
+    ref = run("ref")
+    cache = engine.moe.cache
+    ho = cache.handoff
+    ho._worker = _LateOnce(ho._worker)
+    warm = SlotCache(cache.hosts, cache.cache.num_slots, "cpu")
+    warm.warm(cache.hosts)
+    assert not torch.equal(cache.cache.slot_of, warm.slot_of)  # the run moved the slots
+    caplog.set_level("WARNING", logger="freetoken.moe.expert_cache")
+    failed = run("late")
+    assert failed.finish_reason == "error" and "hand-off failed" in failed.error, failed
+    assert "expert cache was filled again" in caplog.text
+    assert torch.equal(cache.cache.slot_of, warm.slot_of)
+    assert torch.equal(cache.cache.pool, warm.pool)
+    assert not ho.failed and ho.drain(0.0)
+    again = run("again")
+    assert again.finish_reason == ref.finish_reason
+    assert again.output_token_ids == ref.output_token_ids
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v", "-s"]))

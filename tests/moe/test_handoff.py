@@ -555,6 +555,33 @@ def test_an_ahead_list_beside_jobs_and_a_bad_list(banks):
     ho.close()
 
 
+def test_drain_returns_once_the_last_job_and_ahead_list_are_done(banks):
+    """After a failed step the cache waits for the worker (`Handoff.drain`) before it reuses
+    slots: a job posted with two ahead lists behind it (the worker serves them after the
+    job) is answered and both lists copied when drain returns; with nothing posted it
+    returns at once, and it gives up (False) on a job that is never answered."""
+    import numpy as np
+
+    ho, got, ref, hosts = _copying(banks, "cpu")
+    assert ho.drain(0.0)
+    x, ids, w, emap = _inputs(22, 4)
+    ho.set_live(4)
+    ho.send(0, x, ids, w, emap, "silu")
+    for layer, t in ((1, [[1, 4, 6]]), (0, [[2, 3]])):
+        t = torch.tensor(t)
+        a, b = got.plan_ahead(layer, t, 2), ref.plan_ahead(layer, t, 2)
+        ho.post_ahead(layer, a)
+        ref.fill(layer, hosts[layer], b)
+    assert ho.drain()
+    words = ho.buf.numpy().view(np.uint32)
+    assert words[ho.off["done"] // 4] == words[ho.off["go"] // 4] == 1
+    assert ho.ahead_stats()["lists"] == 2 and words[ho.off["ahead_done"] // 4] == 2
+    assert torch.equal(got.pool, ref.pool)
+    words[ho.off["done"] // 4] = 5  # an answer that does not match the job posted
+    assert not ho.drain(0.01)
+    ho.close()
+
+
 @pytest.mark.parametrize("n,valid", [(3, [0, 2]), (8, [1, 2, 3, 4, 5, 6, 7]), (2, [])])
 def test_ahead_kernels_write_the_list_and_wait_for_its_copies(n, valid, monkeypatch):
     """kernels/triton/handoff.post_ahead (CUDA, else Triton's interpreter): the valid pairs
