@@ -18,8 +18,10 @@
 # ahead (about 7 minutes): 3. the CUDA tests of fetching ahead (the plan and fill kernels,
 #    the worker's copies, a graphed hybrid engine against an eager one); 4. --moe-fetch-ahead
 #    0 / 1 / 2 alternated (benchmarks/ab_env.py) on the 35B NVFP4 hybrid at batch 1 and 4 and
-#    the 30B Q4_K hybrid at batch 1, 0 / 1 on the 30B NVFP4 hybrid, rate 0.1; profiled 35B steps at batch 1 with 0 and 1 (where
-#    the CPU waits for the device, the kernels beside the copies);
+#    the 30B Q4_K hybrid at batch 1 (with also the worker's warming, FREETOKEN_MOE_PREFETCH=1,
+#    which uses the same idle window), 0 / 1 on the 30B NVFP4 hybrid, rate 0.1; profiled 35B
+#    steps at batch 1 with 0 and 1 (where the CPU waits for the device, the kernels beside
+#    the copies);
 # bars (about 10 minutes): issue 16's decode bars after a warm-up round, two or three rounds
 #    each (benchmarks/ab_env.py, their lines with the host's steal and preemptions): the 35B
 #    NVFP4 hybrid at batch 1 and 4, the 30B Q4_K and NVFP4 at batch 1 as hybrid and as cpu
@@ -112,10 +114,12 @@ if [ "$mode" = ahead ]; then
     "tests/moe/test_backends.py::test_ahead_copies_by_the_worker_or_a_fill_change_no_bit" \
     "tests/engine/test_cuda_graph.py::test_cache_backend_graphs_give_the_eager_tokens[1-1-False]" \
     -k "plan or fill or ahead or cache_backend"
-  ab() {  # ab NAME SECONDS MODEL FORMAT BATCHES AHEADS...
+  ab() {  # ab NAME SECONDS MODEL FORMAT BATCHES AHEADS... (N: moe_fetch_ahead=N, or settings)
     local name=$1 limit=$2 model=$3 fmt=$4 batches=$5 sets=()
     shift 5
-    for n in "$@"; do sets+=(--set "moe_fetch_ahead=$n"); done
+    for n in "$@"; do
+      case $n in *=*) sets+=(--set "$n");; *) sets+=(--set "moe_fetch_ahead=$n");; esac
+    done
     stage "$name" "$limit" python3 benchmarks/ab_env.py --model "$model" --dummy-weights \
       --dummy-format "$fmt" --moe-backend hybrid --moe-cache-rate 0.1 --batch "$batches" \
       --rounds 2 --tokens 32 --warmup 4 --prompt-len 32 --cuda-graph-max-bs 4 \
@@ -123,7 +127,7 @@ if [ "$mode" = ahead ]; then
   }
   ab a_35b 200 qwen3.6-35b-a3b nvfp4 1,4 0 1 2
   ab a_30b_nvfp4 120 qwen3-30b-a3b nvfp4 1 0 1
-  ab a_30b_q4k 170 qwen3-30b-a3b q4_k 1 0 1 2
+  ab a_30b_q4k 220 qwen3-30b-a3b q4_k 1 0 1 2 moe_fetch_ahead=0,FREETOKEN_MOE_PREFETCH=1
   for n in 0 1; do
     stage "a_35b_profile$n" 90 python3 benchmarks/profile_decode_step.py \
       --model qwen3.6-35b-a3b --dummy-weights --dummy-format nvfp4 --moe-backend hybrid \
