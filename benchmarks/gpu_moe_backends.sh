@@ -18,7 +18,8 @@
 # ahead (about 7 minutes): 3. the CUDA tests of fetching ahead (the plan and fill kernels,
 #    the worker's copies, a graphed hybrid engine against an eager one); 4. --moe-fetch-ahead
 #    0 / 1 / 2 alternated (benchmarks/ab_env.py) on the 35B NVFP4 hybrid at batch 1 and 4 and
-#    the 30B Q4_K hybrid at batch 1 (with also the worker's warming, FREETOKEN_MOE_PREFETCH=1,
+#    the 30B Q4_K hybrid at batch 1 (with also 1 at a fetch cap of 1, for the fill that now
+#    shares the link with the ahead copy, and the worker's warming, FREETOKEN_MOE_PREFETCH=1,
 #    which uses the same idle window), 0 / 1 on the 30B NVFP4 hybrid, rate 0.1; profiled 35B
 #    steps at batch 1 with 0 and 1 (where the CPU waits for the device, the kernels beside
 #    the copies);
@@ -127,7 +128,8 @@ if [ "$mode" = ahead ]; then
   }
   ab a_35b 200 qwen3.6-35b-a3b nvfp4 1,4 0 1 2
   ab a_30b_nvfp4 120 qwen3-30b-a3b nvfp4 1 0 1
-  ab a_30b_q4k 220 qwen3-30b-a3b q4_k 1 0 1 2 moe_fetch_ahead=0,FREETOKEN_MOE_PREFETCH=1
+  ab a_30b_q4k 280 qwen3-30b-a3b q4_k 1 0 1 2 moe_fetch_ahead=1,moe_hybrid_max_fetch=1 \
+    moe_fetch_ahead=0,FREETOKEN_MOE_PREFETCH=1
   for n in 0 1; do
     stage "a_35b_profile$n" 90 python3 benchmarks/profile_decode_step.py \
       --model qwen3.6-35b-a3b --dummy-weights --dummy-format nvfp4 --moe-backend hybrid \
