@@ -448,13 +448,13 @@ def test_a_failed_hand_off_fails_its_requests_and_the_cache_recovers(caplog):
     """A step whose CPU answer comes late: its request ends with the hand-off's error, the
     worker is drained and every slot filled again as at load (late copies ahead may have
     written slots given to other experts since), and the next request gets the tokens of a
-    run that never failed."""
+    run that never failed. With the CPU standing in (its receive is the host's wait)."""
     from freetoken.engine.engine import Engine
     from freetoken.engine.sampling_params import SamplingParams
     from freetoken.moe.slot_cache import SlotCache
 
     cfg = EngineConfig(model=str(hf_source("qwen3_moe")), moe_backend="hybrid",
-                       moe_cache_size=4, moe_fetch_ahead=1, show_progress=False)
+                       moe_cache_size=4, moe_fetch_ahead=1, show_progress=False, device="cpu")
     engine = Engine(cfg)
 
     def run(rid: str):
