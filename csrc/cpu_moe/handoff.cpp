@@ -188,11 +188,21 @@ std::vector<int64_t> HandoffWorker::ahead_stats() const {
 
 // Serve the next ahead list if it was posted: its copies, then ahead_done. Every list is
 // served, a failed one too (its copies skipped, the error set): the device waits for each.
+// The next list is the older of the two areas' lists not served yet: list a + 1 normally.
+// After a device wait that timed out the device goes on posting, and a list it overwrote
+// before it was served is skipped (ahead_done still passes its number; that step failed, and
+// the cache is filled again), so the worker never waits for a number it will not see.
 void HandoffWorker::serve_ahead() {
   if (!lay_.ahead || !copier_on_.load(std::memory_order_acquire)) return;
-  const uint32_t a = ahead_last_ + 1;
-  const uint8_t* area = buf_ + lay_.ahead + (a & 1) * (16 + 8 * lay_.ahead_max);
-  if (load_acquire(area) != a) return;
+  uint32_t a = 0;
+  const uint8_t* area = nullptr;
+  for (int64_t i = 0; i < 2; ++i) {
+    const uint8_t* ar = buf_ + lay_.ahead + i * (16 + 8 * lay_.ahead_max);
+    const uint32_t t = load_acquire(ar);
+    if (static_cast<int32_t>(t - ahead_last_) <= 0) continue;  // served, or none posted yet
+    if (!area || static_cast<int32_t>(t - a) < 0) a = t, area = ar;
+  }
+  if (!area) return;
   ahead_last_ = a;
   const auto* h = reinterpret_cast<const int32_t*>(area);
   const int64_t layer = h[1], n = h[2];

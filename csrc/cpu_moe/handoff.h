@@ -24,7 +24,8 @@
 //   ahead_done uint32 the number of the last list whose copies are complete
 // A route is the CPU's when its row is live and map[id] < 0.
 //
-// Copies ahead (set_copier): the worker serves the ahead lists in order, after the job it
+// Copies ahead (set_copier): the worker serves the ahead lists in order (skipping one the
+// device overwrote before it was served, after a wait that timed out), after the job it
 // answers (the device then runs attention and the router, and the host's memory and the
 // copy engine are idle): each listed expert's parts are copied from the layer's host bank
 // into its slot. On a GPU by the driver's cuMemcpyHtoDAsync on a copy stream, then

@@ -582,6 +582,38 @@ def test_drain_returns_once_the_last_job_and_ahead_list_are_done(banks):
     ho.close()
 
 
+def test_a_list_overwritten_before_it_was_served_is_skipped(banks):
+    """After a device wait that timed out, the device goes on posting ahead lists, and one
+    may overwrite an area before the worker served it: the worker serves the older of the
+    lists it has not served (here 3, then 4; list 2 is gone) instead of waiting for list 2
+    for ever, and `ahead_done` passes 2 (its wait returns)."""
+    import numpy as np
+
+    ho, got, ref, hosts = _copying(banks, "cpu")
+    words = ho.buf.numpy().view(np.int32)
+    area = (16 + 8 * ho.off["ahead_max"]) // 4
+
+    def post(a: int, layer: int, pairs: list[tuple[int, int]]) -> None:
+        h = ho.off["ahead"] // 4 + (a & 1) * area
+        words[h + 4:h + 4 + 2 * len(pairs)] = [v for p in pairs for v in p]
+        words[h + 1], words[h + 2] = layer, len(pairs)
+        words[h] = a  # the tag last
+
+    post(1, 0, [(5, 0)])
+    _wait_for(lambda: ho.ahead_stats()["lists"] == 1)
+    post(3, 1, [(2, 1), (7, 3)])  # area 1; list 2 (area 0) was overwritten by 4
+    post(4, 0, [(6, 4)])
+    _wait_for(lambda: ho.ahead_stats()["lists"] == 3)
+    assert ho.ahead_stats() == {"lists": 3, "copied": 4}
+    assert words[ho.off["ahead_done"] // 4] == 4
+    assert ho._worker.wait_ahead(2, 1.0) and ho.drain(1.0)
+    for layer, pairs in ((0, [(5, 0), (6, 4)]), (1, [(2, 1), (7, 3)])):
+        ref.fill(layer, hosts[layer], torch.tensor(pairs).t())
+    assert torch.equal(got.pool, ref.pool)
+    ho.check()
+    ho.close()
+
+
 @pytest.mark.parametrize("n,valid", [(3, [0, 2]), (8, [1, 2, 3, 4, 5, 6, 7]), (2, [])])
 def test_ahead_kernels_write_the_list_and_wait_for_its_copies(n, valid, monkeypatch):
     """kernels/triton/handoff.post_ahead (CUDA, else Triton's interpreter): the valid pairs
