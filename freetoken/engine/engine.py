@@ -72,6 +72,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     moe_experts: dict[str, int] | None = None  # expert cache totals (offload / hybrid / cpu)
+    moe_handoff_failures: int = 0  # steps whose CPU hand-off failed (the cache recovered)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -435,6 +436,7 @@ class Engine:
                 prompt_tokens_total=self._counters["prompt"],
                 generation_tokens_total=self._counters["gen"],
                 moe_experts=self.moe.counters() if self.moe else None,
+                moe_handoff_failures=self.moe.cache.failures if self.moe else 0,
             )
 
     def running_status(self, request_id: str) -> Status | None:

@@ -126,6 +126,7 @@ class ExpertCache:
         self.ahead_stream = (torch.cuda.Stream(self.device)
                              if self.device.type == "cuda" and self.fetch_ahead else None)
         self._ahead_events: dict[int, tuple] = {}
+        self.failures = 0  # hand-off failures recovered from (`after_step`)
 
     @property
     def executor(self):
@@ -198,6 +199,7 @@ class ExpertCache:
 
     def _recover(self, ho: Handoff) -> None:
         ho.failed = False
+        self.failures += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing more posted while it drains
         drained = ho.drain()

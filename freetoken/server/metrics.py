@@ -67,6 +67,10 @@ class Metrics:
             "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache (total)",
             "prefix_cache_hit_tokens",
         )
+        self._gauge(
+            "moe_handoff_failures", "Steps whose CPU MoE hand-off failed (total; the expert "
+            "cache was filled again after each)", "moe_handoff_failures",
+        )
         # offload / hybrid / cpu backends (moe/slot_cache.py: COUNTERS)
         for name in ("hits", "misses", "fetched", "cpu", "ahead", "ahead_hits"):
             self._expert_gauge(name)

@@ -478,6 +478,7 @@ def test_a_failed_hand_off_fails_its_requests_and_the_cache_recovers(caplog):
     assert torch.equal(cache.cache.slot_of, warm.slot_of)
     assert torch.equal(cache.cache.pool, warm.pool)
     assert not ho.failed and ho.drain(0.0)
+    assert engine.stats().moe_handoff_failures == 1
     again = run("again")
     assert again.finish_reason == ref.finish_reason
     assert again.output_token_ids == ref.output_token_ids
