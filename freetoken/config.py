@@ -34,7 +34,7 @@ class EngineConfig:
     moe_hybrid_max_fetch: int | None = None  # per layer call; 0 = every miss to the CPU,
     # None / -1 = from the profile
     # offload / hybrid: per layer call, up to N of the next MoE layer's predicted misses are
-    # fetched ahead of it; None = moe/expert_cache.py's FETCH_AHEAD where the backend fetches
+    # fetched ahead of it; None = moe/ahead.py's FETCH_AHEAD where the backend fetches
     # (not cpu, not a fetch cap of 0)
     moe_fetch_ahead: int | None = None
     moe_cpu_threads: int | None = None  # None = physical cores minus one

@@ -19,16 +19,8 @@ host sync (moe/handoff.py), while the device fetches and computes; the two parti
 added. On a GPU every decision, fill and hand-off of a decode step is a kernel, so the step
 is one CUDA graph.
 
-Fetching ahead (--moe-fetch-ahead N, offload / hybrid, off by default): between a layer's
-answer and the next layer's plan the device runs attention and the router (tens of
-microseconds at decode) and the copy engine is idle. So each call also gives up to N of the
-next MoE layer's predicted misses (its router on this call's input) slots and copies them in
-then; that call finds them as hits and has fewer misses to split. Where a call hands work to
-the CPU, the hand-off's worker copies them once it has answered the call's job, with the copy
-engine (moe/handoff.py: copies ahead); else (or FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on
-a stream of its own, which takes SMs from the kernels beside it. The next call fills its own
-fetches beside those copies (its plan does not evict slots given ahead for it: they carry its
-clock) and waits for them only before its device kernel reads the slots.
+Fetching ahead (--moe-fetch-ahead N) and warming (FREETOKEN_MOE_PREFETCH=1) use the next
+layer's experts as this layer's input predicts them: moe/ahead.py.
 """
 
 from __future__ import annotations
@@ -42,6 +34,7 @@ from torch.profiler import record_function
 from freetoken import env
 from freetoken.kernels.moe import fused_moe
 from freetoken.kernels.norm import take_fold
+from freetoken.moe.ahead import Ahead
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.handoff import HINT_ROUTES, WAIT_TIMEOUT_S, Handoff
 from freetoken.moe.host_banks import executor_bank
@@ -53,23 +46,8 @@ CACHE_BACKENDS = ("offload", "hybrid", "cpu")
 # A layer call with this many tokens (a prefill) runs every expert on the device, whatever the
 # backend: the device computes many tokens per expert byte, the CPU executor few.
 PREFILL_TOKENS = 64
-# --moe-fetch-ahead's default (offload, hybrid): the next layer's predicted misses fetched per
-# layer call while the device runs the layers in between (`ExpertCache._ahead_plan`). Off: on
-# the H200 (35B / 30B NVFP4 hybrid, rate 0.1, batch 1) it took 15% of the CPU's experts and
-# the step still ran 11% slower with the copies queued behind the call's own fill; queued
-# after the receive, on 8 programs a part, 6% (135.6 -> 128.1 tok/s, 2026-12-03). Copied by the
-# hand-off worker with the copy engine (30B Q4_K hybrid, H100 host, 2026-12-05): 99-100% hits,
-# 14% fewer CPU experts, no faster step (the next call's fill then waited behind the ahead
-# copy; it now goes beside it: not yet measured on a GPU)
-FETCH_AHEAD = 0
-# Programs of an ahead fill per fetched part: its copies run beside the device's critical path
-# (attention, router), whose kernels a fill of one program per 16 KiB chunk slowed: on the
-# H200 (35B NVFP4 hybrid, batch 1) their GEMVs took 1.63 ms a step instead of 0.93
-AHEAD_FILL_PROGRAMS = 8
-
 
 _ALL = FetchPolicy(None, None, "every miss")
-_WORKER = "worker"  # an ahead fill that is the hand-off worker's copies (`_ahead_events`)
 
 
 class ExpertCache:
@@ -111,21 +89,8 @@ class ExpertCache:
                              f"{'cpu' if fetch_limit.q == 0 else 'hybrid'} backend cannot "
                              "compute its misses: use --moe-backend offload")
         self.cpu_capable = not missing
-        # Set by moe/runtime.py: per MoE layer, x -> the routes [T, k] its router gives x (the
-        # previous layer's input predicts the layer's experts: moe/handoff.py, warming), or
-        # None where the layer's router is not one `gate_topk` computes
-        self.predictors: list[Callable | None] = []
-        self.prefetch = env.moe_prefetch()
-        # Fetching ahead: per layer call, up to this many of the next MoE layer's predicted
-        # misses are given slots and copied in while the device runs the layers in between
-        # (see `_ahead_plan`); on a GPU on a stream of its own, joined by that layer's call
-        # (its plan waits for the ahead plan, its fill for the ahead copies: _ahead_events)
-        self.fetch_ahead = max(0, fetch_ahead)
-        if self.device.type == "cuda" and not self.cache.device_fill:
-            self.fetch_ahead = 0  # the host-side fill syncs: not between two layers
-        self.ahead_stream = (torch.cuda.Stream(self.device)
-                             if self.device.type == "cuda" and self.fetch_ahead else None)
-        self._ahead_events: dict[int, tuple] = {}
+        # the next layer's predicted experts: fetched ahead, warmed (moe/ahead.py)
+        self.ahead = Ahead(self, fetch_ahead)
         self.failures = 0  # hand-off failures recovered from (`after_step`)
 
     @property
@@ -144,9 +109,9 @@ class ExpertCache:
         if self._handoff is None:
             self._handoff = Handoff(self.executor, self._exec_banks, self.top_k, self.device,
                                     PREFILL_TOKENS)
-            if self.prefetch and not self.fetch_all:
+            if self.ahead.prefetch and not self.fetch_all:
                 self._handoff.set_prefetch(True, _fetch_table(self.fetch_limit, HINT_ROUTES))
-            if self.fetch_ahead and env.moe_ahead_worker():
+            if self.ahead.n and env.moe_ahead_worker():
                 why = self._start_copies(self._handoff)
                 if why is not None:
                     logger.info("fetching ahead: the slots are filled by a device kernel, "
@@ -230,8 +195,7 @@ class ExpertCache:
         a second stream on a GPU, beside the plan, the slot fills and the routed experts."""
         T = ids.shape[0]
         split = not (T >= PREFILL_TOKENS or (self.fetch_all and not _capturing()))
-        for held in [k for k in self._ahead_events if k < layer or (k == layer and not split)]:
-            self._join_ahead(held, *self._ahead_events.pop(held))  # a call that does not itself
+        self.ahead.join_before(layer, split)
         # the residual step after this call (kernels/norm.py: folding), for the kernel that
         # writes the output last: the receive of the CPU's answer, or the device's kernel
         fold = take_fold(x)
@@ -262,8 +226,8 @@ class ExpertCache:
         on_gpu = self.device.type == "cuda"
         # this layer's slots given ahead by the last call: its plan after their plan, the
         # kernel reading them after their copies (its own fill, into other slots, beside them)
-        ahead_plan, ahead_fill = self._ahead_events.pop(layer, (None, None))
-        self._join_ahead(layer, ahead_plan, None)
+        ahead_plan, ahead_fill = self.ahead.take(layer)
+        self.ahead.join(layer, ahead_plan, None)
         with record_function("moe.plan"):
             live = ho.live if ho is not None and on_gpu else None
             # on a GPU the plan kernel also posts the CPU's job, with the map it writes
@@ -271,20 +235,20 @@ class ExpertCache:
                    if ho is not None and c.plans_in_one_launch(ids) else None)
             fetched = c.plan(layer, ids, _ALL if self.fetch_all else self.fetch_limit,
                              live=live, job=job)
-            emap = self._slot_map(layer)  # hits and fetched: a slot; else -1
+            emap = self.slot_map(layer)  # hits and fetched: a slot; else -1
         # the next layer's slots given ahead (and its hint, after them): on a GPU on the
         # ahead stream after the job; with the CPU standing in, before the hint
-        ahead = self._ahead_plan(layer, x, ho, live)
+        ahead = self.ahead.plan(layer, x, ho, live)
         # the next layer's hint: after the job on a GPU (tagged by the job counter the plan or
         # send kernel advanced), before it with the CPU standing in (tagged with the number
         # the job will get, so the worker finds it when it is done)
         if ho is not None and not on_gpu:
-            self._hint(layer, x, ho, capturing)
+            self.ahead.hint(layer, x, ho, capturing)
         if ho is not None and job is None:
             with record_function("moe.to_host"):
                 ho.send(layer, x, ids, w, emap, activation)
-        hinted = (ho is not None and on_gpu and self.ahead_stream is None
-                  and self._hint(layer, x, ho, capturing))
+        hinted = (ho is not None and on_gpu and self.ahead.stream is None
+                  and self.ahead.hint(layer, x, ho, capturing))
         with record_function("moe.fill"):
             if self.never_fetches:
                 pass  # the cpu backend: nothing to fill (no empty launch per layer)
@@ -295,7 +259,7 @@ class ExpertCache:
                                    "(a part's bytes are not a multiple of 4)")
             else:
                 self._fill(layer, fetched)
-        self._join_ahead(layer, None, ahead_fill)
+        self.ahead.join(layer, None, ahead_fill)
         last = fold if ho is None and side is None else None  # the device kernel's
         with record_function("moe.device"):
             y = fused_moe(x, c.views[layer], ids, w, activation, expert_map=emap,
@@ -314,108 +278,10 @@ class ExpertCache:
             with record_function("moe.cpu"):
                 y = ho.receive(y, shared, fold)
         if ahead is not None:
-            self._ahead_fill(layer + 1, ahead)
+            self.ahead.fill(layer + 1, ahead)
         return y
 
-    def _predicted(self, layer: int, x) -> int | None:
-        """The next MoE layer, where its router can predict its routes from this call's input
-        x (a SparseMoE's, a decode-sized call), else None."""
-        nxt = layer + 1
-        if (nxt >= len(self.predictors) or self.predictors[nxt] is None
-                or x.shape[0] * self.top_k > HINT_ROUTES):
-            return None
-        return nxt
-
-    def _ahead_plan(self, layer: int, x, ho: Handoff | None, live: torch.Tensor | None):
-        """Slots for the next MoE layer's predicted misses (`SlotCache.plan_ahead`: its router
-        on this layer's input x, at most `fetch_ahead`, most-routed first), taken now so that
-        their copies run while the device computes this layer's rest and the next layer's
-        attention, when the copy engine is idle; that call then finds them as hits (and the
-        CPU computes fewer experts). With warming on, the next layer's hint follows them (it
-        then names only experts without a slot). On a GPU all of it runs on the ahead stream
-        after the job was posted; live: the plan's. Posted to the hand-off's worker where it
-        copies them. Returns (the fetch list, the plan's event on a GPU, whether the worker
-        copies) for `_ahead_fill`, or None."""
-        nxt = self._predicted(layer, x) if self.fetch_ahead else None
-        if nxt is None:
-            return None
-        c = self.cache
-        warm = ho is not None and self.prefetch and not self.fetch_all
-        worker = ho is not None and ho.copies  # the worker copies them after this call's job
-        with record_function("moe.ahead"):
-            if self.ahead_stream is None:  # the CPU standing in: in line
-                fetched = c.plan_ahead(nxt, self.predictors[nxt](x), self.fetch_ahead)
-                if worker:
-                    ho.post_ahead(nxt, fetched)
-                return fetched, None, worker
-            s = self.ahead_stream
-            s.wait_stream(torch.cuda.current_stream(self.device))
-            x.record_stream(s)  # read here after the compute stream may have freed it
-            with torch.cuda.stream(s):
-                ids = self.predictors[nxt](x)
-                fetched = c.plan_ahead(nxt, ids, self.fetch_ahead, live)
-                if worker:
-                    ho.post_ahead(nxt, fetched)
-                planned = torch.cuda.Event()
-                planned.record(s)
-                if warm:
-                    ho.hint(nxt, ids, self._slot_map(nxt))
-        return fetched, planned, worker
-
-    def _ahead_fill(self, nxt: int, ahead) -> None:
-        """Copy the experts `_ahead_plan` gave slots into them: on a GPU on the ahead stream
-        once this call's receive has its answer, so the copies run while the device computes
-        the next layer's attention and router, when the link is idle. (Queued after this
-        call's own fill instead, they ran while the receive polled the host for the CPU's
-        answer over the same link, whose reads then waited behind theirs: the 35B hybrid
-        lost 11% at batch 1 on the H200.) The next layer's call fills its own fetches beside
-        them and waits for them before its device kernel."""
-        c = self.cache
-        fetched, planned, worker = ahead
-        if worker:  # copied by the hand-off worker after this call's job: joined by a wait
-            self._ahead_events[nxt] = (planned, _WORKER)
-            return
-        if self.ahead_stream is None:
-            c.fill(nxt, self.hosts[nxt], fetched)
-            return
-        s = self.ahead_stream
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s), record_function("moe.ahead_fill"):
-            c.fill_on_device(nxt, self.hosts[nxt], fetched, AHEAD_FILL_PROGRAMS)
-            filled = torch.cuda.Event()
-            filled.record(s)
-        self._ahead_events[nxt] = (planned, filled)
-
-    def _join_ahead(self, layer: int, planned, filled) -> None:
-        """Order what comes next after layer `layer`'s ahead plan (planned: an event) and
-        after its copies (filled: an event, or _WORKER: wait for the worker's copies)."""
-        if planned is not None:
-            torch.cuda.current_stream(self.device).wait_event(planned)
-        if filled is _WORKER:
-            self._handoff.wait_ahead(layer)
-        elif filled is not None:
-            torch.cuda.current_stream(self.device).wait_event(filled)
-
-    def _hint(self, layer: int, x, ho: Handoff, capturing: bool) -> bool:
-        """Post the next layer's predicted CPU experts for the worker to warm while this
-        call runs (moe/handoff.py: warming): its router on this layer's input x, less what
-        its slots hold. Inside a CUDA graph on the side stream (off the device's path to the
-        receive); True when it went there (the caller joins it before the receive)."""
-        nxt = None if not self.prefetch or self.fetch_all else self._predicted(layer, x)
-        if nxt is None:
-            return False
-        emap = self._slot_map(nxt)
-        side = self.side_stream if capturing else None
-        with record_function("moe.hint"):
-            if side is None:
-                ho.hint(nxt, self.predictors[nxt](x), emap)
-                return False
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                ho.hint(nxt, self.predictors[nxt](x), emap)
-        return True
-
-    def _slot_map(self, layer: int) -> torch.Tensor:
+    def slot_map(self, layer: int) -> torch.Tensor:
         """The layer's expert -> slot map, a view of the cache's (read when a kernel runs)."""
         E = self.cache.num_experts
         return self.cache.slot_of[layer * E:(layer + 1) * E]
@@ -478,7 +344,7 @@ class ExpertCache:
     def prefetch_stats(self) -> dict[str, int] | None:
         """The hand-off worker's warming totals (`Handoff.prefetch_stats`), None before it
         started or with warming off."""
-        if self._handoff is None or not self.prefetch:
+        if self._handoff is None or not self.ahead.prefetch:
             return None
         return self._handoff.prefetch_stats()
 

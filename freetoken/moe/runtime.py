@@ -15,7 +15,8 @@ import torch
 
 from freetoken.kernels.route import gate_topk
 from freetoken.layers.moe import FusedExperts, SparseMoE
-from freetoken.moe.expert_cache import CACHE_BACKENDS, FETCH_AHEAD, ExpertCache, LayerBackend
+from freetoken.moe.ahead import FETCH_AHEAD
+from freetoken.moe.expert_cache import CACHE_BACKENDS, ExpertCache, LayerBackend
 from freetoken.moe.host_banks import bank_bytes, host_bank
 from freetoken.moe.policy import expert_format, fetch_policy, find_profile, num_slots
 from freetoken.moe.prefill_stream import PrefillStreamer
@@ -158,7 +159,7 @@ class MoERuntime:
         self.cache.prefill = self.prefill
         for i, m in enumerate(mods):
             m.backend = LayerBackend(self.cache, i)
-        self.cache.predictors = _predictors(model, mods)
+        self.cache.ahead.predictors = _predictors(model, mods)
         self.ahead_why = self._ahead_why(ahead, config.moe_fetch_ahead)
         self._report(total, sizing, device)
         self.log_interval = getattr(config, "decode_log_interval", 0) or 0
@@ -169,14 +170,14 @@ class MoERuntime:
 
     def _ahead_why(self, asked: int, given: int | None) -> str:
         """The fetch-ahead setting as the load log line says it."""
-        n = self.cache.fetch_ahead
+        n = self.cache.ahead.n
         if not n:
             if asked:
                 return "fetch ahead off (a slot part is not whole 4-byte words: no device fill)"
             return "fetch ahead off" + (" (--moe-fetch-ahead 0)" if given == 0 else
                                         " (the backend fetches no misses)"
                                         if self.policy.cap == 0 else " (the default)")
-        if not any(p is not None for p in self.cache.predictors[1:]):
+        if not any(p is not None for p in self.cache.ahead.predictors[1:]):
             return "fetch ahead off (no layer's router predicts from the layer before)"
         return (f"fetch ahead: up to {n} of the next layer's predicted misses per layer call"
                 + ("" if given is not None else " (the default)"))

@@ -235,7 +235,7 @@ def test_backend_matches_fused(case, backend, rate, batch, device="cpu"):
             assert c["fetched"] > 0  # evictions happened: the cache is smaller than the experts
     if backend == "cpu" and rate < 1:
         assert c["cpu"] == c["misses"] > 0
-    if backend in ("cpu", "hybrid") and rate < 1 and any(rt.cache.predictors[1:]):
+    if backend in ("cpu", "hybrid") and rate < 1 and any(rt.cache.ahead.predictors[1:]):
         # the next layer's predicted CPU experts were warmed between jobs (moe/handoff.py;
         # not gemma4, whose router is its own)
         st = rt.cache._handoff.prefetch_stats()
