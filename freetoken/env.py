@@ -155,7 +155,8 @@ def _if_on(name: str) -> bool:
 def moe_ahead_worker() -> bool:
     """FREETOKEN_MOE_AHEAD_WORKER=0: with --moe-fetch-ahead, the experts given slots ahead are
     copied by a GPU fill kernel beside the device's attention and router, instead of by the
-    CPU hand-off's worker with the copy engine after its job (`moe/ahead.py`). Also off where no hand-off runs (offload without CPU routes)."""
+    CPU hand-off's worker with the copy engine after its job (`moe/ahead.py`). Also off
+    where no hand-off runs (offload without CPU routes)."""
     return _unless_off("FREETOKEN_MOE_AHEAD_WORKER")
 
 

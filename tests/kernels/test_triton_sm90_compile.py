@@ -97,6 +97,19 @@ CASES.update({
         dict(H=2048, GBLOCK=1024, GATE=g, QUANT=q, BLOCK=2048, ASM=True), ("eps",), 4)
     for g, q in ((True, True), (False, False))
 })
+# the plain receive and the wait for the worker's ahead copies: the two polls of a host word
+# (`handoff._poll`, exact and in int32 order)
+CASES.update({
+    "receive": (
+        "freetoken.kernels.triton.handoff", "_receive_kernel",
+        {"y_ptr": _BF, "out_ptr": _BF, "seq_ptr": "*i32", "hi32": "*i32", "hf32": "*fp32",
+         "waits_ptr": "*i64", "timeout_ns": "i64"},
+        dict(BLOCK=1024, ASM=True), (), 4),
+    "ahead-wait": (
+        "freetoken.kernels.triton.handoff", "_ahead_wait_kernel",
+        {"want_ptr": "*i32", "hi32": "*i32", "timeout_ns": "i64"},
+        dict(ASM=True), (), 1),
+})
 # the fused backend's gated add of the shared expert with that step folded in (`glu.
 # gated_add_triton(fold=)`), the 35B's width, with and without the codes
 CASES.update({
