@@ -194,7 +194,18 @@ def gpu_moe_route_tiles() -> tuple[int, int, int] | None:
     _i8_tiles`; BK at most, halved until it tiles K), for measuring tile choices end to end
     (benchmarks/ab_env.py). Unset: the measured default. BN and BK powers of two (BN 1-256,
     BK 32-4096), WARPS 1, 2, 4 or 8."""
-    name = "FREETOKEN_GPU_MOE_ROUTE_TILES"
+    return _tiles("FREETOKEN_GPU_MOE_ROUTE_TILES")
+
+
+def gpu_moe_down_tiles() -> tuple[int, int, int] | None:
+    """FREETOKEN_GPU_MOE_DOWN_TILES=BNxBKxWARPS: the tiles of the fused MoE's per-route int8
+    down GEMV at every decode size (1 to 16 tokens), over the default and
+    FREETOKEN_GPU_MOE_ROUTE_TILES (gate / up keep theirs), for measuring end to end. The
+    same form and bounds as FREETOKEN_GPU_MOE_ROUTE_TILES."""
+    return _tiles("FREETOKEN_GPU_MOE_DOWN_TILES")
+
+
+def _tiles(name: str) -> tuple[int, int, int] | None:
     v = os.environ.get(name, "").strip()
     if not v:
         return None

@@ -76,6 +76,25 @@ def test_moe_route_tiles(monkeypatch):
             env.gpu_moe_route_tiles()
 
 
+def test_moe_down_tiles(monkeypatch):
+    """FREETOKEN_GPU_MOE_DOWN_TILES=BNxBKxWARPS: parsed and checked as the route tiles are, and
+    the down GEMV's tiles take it at every decode size unless tiles are given."""
+    from freetoken.kernels.triton.moe import _down_i8_tiles
+
+    name = "FREETOKEN_GPU_MOE_DOWN_TILES"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_moe_down_tiles() is None
+    assert _down_i8_tiles(13, 768, torch.bfloat16, None, 1) == (16, 256, 4, True)  # default
+    monkeypatch.setenv(name, "64x1024x4")
+    assert env.gpu_moe_down_tiles() == (64, 1024, 4)
+    for tokens in (1, 4, 16):  # K 768 of Q4_K: chunks of whole super-blocks that tile it
+        assert _down_i8_tiles(13, 768, torch.bfloat16, None, tokens) == (64, 256, 4, True)
+    assert _down_i8_tiles(13, 768, torch.bfloat16, (1, 8, 256, 2), 1) == (8, 256, 2, True)
+    monkeypatch.setenv(name, "48x1024x4")
+    with pytest.raises(ValueError, match=f"{name}=.*power of two"):
+        env.gpu_moe_down_tiles()
+
+
 def test_linear_mt(monkeypatch):
     """FREETOKEN_GPU_LINEAR_MT=N: an integer 0-16, else an error naming it."""
     name = "FREETOKEN_GPU_LINEAR_MT"

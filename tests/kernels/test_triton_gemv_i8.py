@@ -198,6 +198,35 @@ def test_i8_fused_moe_decode_within_bound(f13, f2, act, wide, monkeypatch):
         assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
 
 
+@pytest.mark.parametrize("tiles", ["64x256x4", "4x256x1"])
+def test_down_tiles_switch_changes_no_bit(tiles, monkeypatch):
+    """FREETOKEN_GPU_MOE_DOWN_TILES=BNxBKxWARPS: one token's down GEMV (the per-route kernel,
+    its routes summed by the last to arrive) at other tiles gives the bits of the default ones
+    (each row's int8 dot and block scales run in the same order whatever the rows a program),
+    and both are within the float64 bound of the quantized computation."""
+    e_n, topk = 8, 3
+    h, inter = (1024, 512) if CUDA else (256, 256)
+    gen = torch.Generator().manual_seed(7)
+    scales = torch.ones(e_n, 4)
+    scales[:, :3] = torch.rand(e_n, 3, generator=gen) * 3e-2 + 1e-3
+    bank = ExpertBank(cases.random_weight("Q4_K", gen, 2 * inter, h, (e_n,)),
+                      cases.random_weight("Q4_K", gen, h, inter, (e_n,)), scales)
+    dev_bank = ExpertBank(cases.to_device(bank.w13, DEV), cases.to_device(bank.w2, DEV),
+                          bank.scales.to(DEV))
+    x = torch.randn(1, h, generator=gen).to(torch.bfloat16)
+    ids = torch.randperm(e_n, generator=gen)[:topk].reshape(1, topk)
+    rw = torch.softmax(torch.randn(1, topk, generator=gen), -1)
+    args = (x.to(DEV), dev_bank, ids.to(DEV), rw.to(DEV), "silu")
+    monkeypatch.delenv("FREETOKEN_GPU_MOE_DOWN_TILES", raising=False)
+    y0 = fused_moe_triton(*args).cpu()
+    monkeypatch.setenv("FREETOKEN_GPU_MOE_DOWN_TILES", tiles)
+    y1 = fused_moe_triton(*args).cpu()
+    assert torch.equal(y0, y1)
+    ref, tol = _moe_reference(x.float(), bank, ids, rw, torch.arange(e_n), "silu", True)
+    tol = tol + BF16_OUT * ref.abs() + 1e-30
+    assert bool(((y1.double() - ref).abs() <= tol).all())
+
+
 # -- activations quantized once, by the RMSNorm that produces them (kernels/xq.py) ----------------
 def _norm_quantized(x: torch.Tensor, eps: float = 1e-6):
     """rms_norm of x on DEV with the codes the kernel wrote, attached as kernels.norm does on

@@ -496,6 +496,15 @@ def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
     return (16, bk, 4, True) if tiles is None else (tiles[1], bk, tiles[3], True)
 
 
+def _down_i8_tiles(fmt: int, k: int, dtype: torch.dtype,
+                   tiles: tuple[int, int, int, int] | None,
+                   tokens: int) -> tuple[int, int, int, bool] | None:
+    """`_i8_tiles` of the down GEMV: FREETOKEN_GPU_MOE_DOWN_TILES, where set and no `tiles`
+    are given, at every decode size."""
+    own = env.gpu_moe_down_tiles() if tiles is None else None
+    return _i8_tiles(fmt, k, dtype, tiles if own is None else (1, *own), tokens)
+
+
 def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
     """K-loop unroll of the per-route GEMV: with 2 rows and one warp a program holds few bytes
     per chunk, and a rolled loop waits one memory round trip per chunk (8 for gate/up at
@@ -660,7 +669,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     f13, f2 = format_id(bank.w13), format_id(bank.w2)
     # (BN, BK, num_warps, int8) of each kernel: the int8 GEMV where its format and x allow
     up = _i8_tiles(f13, h, x.dtype, tiles, t) if bm == 1 else None
-    down = _i8_tiles(f2, inter, x.dtype, tiles, t) if bm == 1 else None
+    down = _down_i8_tiles(f2, inter, x.dtype, tiles, t) if bm == 1 else None
     up, down = up or (bn, bk, warps, False), down or (bn, bk, warps, False)
     if bm == 1 and (h % up[1] or inter % down[1]):
         raise ValueError(f"fused_moe: GEMV chunks BK={up[1]} / {down[1]} must divide hidden "
