@@ -375,7 +375,11 @@ MERGE_COUNTERS = 4096
 # merge launch: 2 splits (30B shape, 128-key table) 4.6 / 4.9 at batch 1, 5.2 / 5.5 at 4, 5.5 /
 # 5.7 at 16; from 4 splits the lone merging program's serial read of every split's partials
 # lost (35B, 4 splits: 5.4 / 5.3; 30B, 16 splits, 1024 keys: 9.7 / 6.1; 4096 keys: 14.2 /
-# 10.5).
+# 10.5). End to end with the graphs' wide tables (16 splits at batch 1; at short contexts most
+# of them empty, which the in-kernel merge skips) it lost as well: 30B Q4_K fused, H100,
+# 2026-12-06, FREETOKEN_GPU_ATTN_MERGE_SPLITS=2 / 16, tok/s at batch 1 / 4: 32-token prompts
+# 425.5 / 1082.9 against 408.2 / 1003.6, 1024-token prompts 408.2 / 1017.0 against 380.0 /
+# 854.7 (benchmarks/ab_env.py).
 MERGE_MAX_SPLITS = 2
 # Splits the merging program reads a round (`_merge_splits`; at most the padded split count).
 MERGE_GROUP = 4
