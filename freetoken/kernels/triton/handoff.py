@@ -131,23 +131,25 @@ def _send_kernel(x_ptr, ids_ptr, w_ptr, map_ptr, seq_ptr, hi32, hf32, hx, layer,
 
 
 @triton.jit
-def _poll(word_ptr, want, EXACT: tl.constexpr, timeout_ns, ASM: tl.constexpr):
-    """Poll the host-written word until it equals `want` (EXACT) or reaches it in int32
-    order, wrapping (not EXACT), or timeout_ns have passed. Returns the last value read and
-    the nanoseconds polled (not ASM, Triton's interpreter, which has no clock: a poll counts
-    as a nanosecond)."""
+def _poll(hi32, o_word, o_timeout, want, EXACT: tl.constexpr, timeout_ns, ASM: tl.constexpr):
+    """Poll the host-written word at o_word until it equals `want` (EXACT) or reaches it in
+    int32 order, wrapping (not EXACT), or give up after timeout_ns and set the timeout word.
+    Returns the last value read and the nanoseconds polled (not ASM, Triton's interpreter,
+    which has no clock: a poll counts as a nanosecond)."""
     if ASM:
         t0 = _now_ns(want)
         waited = t0 - t0
     else:
         waited = want.to(tl.int64) * 0
-    d = tl.load(word_ptr, volatile=True)
+    d = tl.load(hi32 + o_word, volatile=True)
     while _short(d, want, EXACT) & (waited < timeout_ns):
-        d = tl.load(word_ptr, volatile=True)
+        d = tl.load(hi32 + o_word, volatile=True)
         if ASM:
             waited = _now_ns(d) - t0
         else:
             waited += 1
+    if _short(d, want, EXACT):
+        tl.store(hi32 + o_timeout, 1)
     return d, waited
 
 
@@ -168,9 +170,7 @@ def _await_answer(seq_ptr, hi32, o_done, o_timeout, timeout_ns, waits_ptr, first
     profile_decode_step.py reports). Returns `done` after a system-scope fence: the answer's
     loads take a data dependency on it."""
     n = tl.load(seq_ptr)
-    d, waited = _poll(hi32 + o_done, n, True, timeout_ns, ASM)
-    if d != n:
-        tl.store(hi32 + o_timeout, 1)
+    d, waited = _poll(hi32, o_done, o_timeout, n, True, timeout_ns, ASM)
     if first:
         tl.atomic_add(waits_ptr, waited)
         tl.atomic_add(waits_ptr + 1, 1)
@@ -326,9 +326,7 @@ def _ahead_wait_kernel(want_ptr, layer, hi32, o_done, o_timeout, timeout_ns,
     """Poll `ahead_done` until it reaches want[layer] (int32 order, wrapping), or give up
     after timeout_ns and set the timeout word."""
     a = tl.load(want_ptr + layer)
-    d, waited = _poll(hi32 + o_done, a, False, timeout_ns, ASM)
-    if (d - a) < 0:
-        tl.store(hi32 + o_timeout, 1)
+    _poll(hi32, o_done, o_timeout, a, False, timeout_ns, ASM)
 
 
 @triton.jit
