@@ -218,8 +218,9 @@ PROFILED_SLOWER = 1.5
 def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
     """With an expert-cache backend (cpu, hybrid, offload's leftovers): `steps` decode steps
     without the profiler, the hand-off worker's job record on, summed per step: where the
-    CPU's side of a step goes (executor, compaction before it, the answer after it) and how
-    long it waits between jobs for the device (the layers' GPU work before each hand-off),
+    CPU's side of a step goes (executor, compaction before it, the answer after it, the
+    copies ahead it queues and its warming after the answer) and how long it then waits for
+    the device's next job (the layers' GPU work before each hand-off),
     on a GPU also how long the device waits for the answers (the receive kernels' polling:
     near zero when the device's share of a layer is the longer one), beside the expert-cache
     counters; and the steps' wall time in us. ('', 0.0) for other backends."""
@@ -248,10 +249,11 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
     p1 = ho.prefetch_stats()
     if len(tr) == 0:
         return "\nhand-off: no jobs in these steps", wall
-    seen, f0, f1, done, rows, routes = tr.T
-    gaps = seen[1:] - done[:-1]
+    seen, f0, f1, done, rows, routes, free = tr.T
+    gaps = seen[1:] - free[:-1]
     # a gap longer than a step's wall time is the host between steps, not a layer's GPU work
-    gaps = gaps[gaps < wall]
+    keep = gaps < wall
+    gaps, after = gaps[keep], (free - done)[:-1][keep]
     per = {k: (c1[k] - c0[k]) / steps for k in c1}
     n = len(tr) / steps
     lines = [f"\n== hand-off worker, {steps} steps without the profiler: {wall:.1f} us per step, "
@@ -262,7 +264,8 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
     for label, us in (("executor (CPU experts' compute)", (f1 - f0).sum()),
                       ("compaction before it (go seen -> start)", (f0 - seen).sum()),
                       ("answer after it (end -> done)", (done - f1).sum()),
-                      ("waiting for the device (warming in it)", gaps.sum())):
+                      ("copies ahead queued, warming (done -> free)", after.sum()),
+                      ("waiting for the device (free -> next job)", gaps.sum())):
         lines.append(f"{label:<44} {us / steps:>9.1f} {us / len(tr):>9.1f} "
                      f"{100 * us / steps / wall:>7.1f}%")
     if w0 is not None:  # the other side: the device's receive kernels polling for answers

@@ -95,7 +95,7 @@ void HandoffWorker::set_trace(bool on) {
   tracing_.store(false);
   trace_.clear();
   if (on) {
-    trace_.reserve(6 * kTraceCap);
+    trace_.reserve(kTraceFields * kTraceCap);
     tracing_.store(true);
   }
 }
@@ -122,9 +122,9 @@ void HandoffWorker::loop(uint32_t last) {
       serve_ahead();  // the job's list: posted while it ran
       if (lay_.hint && prefetch_.load(std::memory_order_relaxed)) warm_next(n);
       idle_since = now_us();
-      if (tracing_.load(std::memory_order_relaxed) && trace_.size() < 6 * kTraceCap)
+      if (tracing_.load(std::memory_order_relaxed) && trace_.size() < kTraceFields * kTraceCap)
         trace_.insert(trace_.end(), {seen, t_fwd0_, t_fwd1_, done_at,
-                                     static_cast<int64_t>(rows_.size()), routes_});
+                                     static_cast<int64_t>(rows_.size()), routes_, idle_since});
       continue;
     }
     serve_ahead();

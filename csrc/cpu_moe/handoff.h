@@ -93,9 +93,10 @@ class HandoffWorker {
   // Ahead lists served and experts copied since the worker started.
   std::vector<int64_t> ahead_stats() const;
   // Job timing for profiles: while on, each job appends {go seen, forward start, forward
-  // end, done set (steady-clock us), rows computed, routes computed} (up to kTraceCap jobs).
+  // end, done set (steady-clock us), rows computed, routes computed, free: the ahead copies
+  // queued and the warming done after the answer (us)} (up to kTraceCap jobs).
   // Turning it on clears the record; read it only while no job runs (after a step's sync).
-  static constexpr size_t kTraceCap = 1 << 16;
+  static constexpr size_t kTraceCap = 1 << 16, kTraceFields = 7;
   void set_trace(bool on);
   std::vector<int64_t> trace() const;
 
@@ -132,7 +133,7 @@ class HandoffWorker {
   std::vector<uint8_t> seen_;        // [E] scratch of count_warmed
   int64_t warmed_layer_ = -1;
   std::atomic<int64_t> stats_[4] = {};
-  std::vector<int64_t> trace_;  // 6 per job, reserved when tracing starts
+  std::vector<int64_t> trace_;  // kTraceFields per job, reserved when tracing starts
   int64_t t_fwd0_ = 0, t_fwd1_ = 0, routes_ = 0;  // the current job's, for the trace
   struct Copier {
     uint64_t pool = 0, ctx = 0, set_ctx = 0, memcpy_h2d = 0, write_value = 0, stream = 0;

@@ -269,10 +269,11 @@ class Handoff:
         self._worker.set_trace(on)
 
     def trace(self) -> np.ndarray:
-        """The record since set_trace(True), int64 [jobs, 6]: go seen, executor start,
-        executor end, done set (steady-clock microseconds), rows and routes computed. Read it
-        between steps (no job running)."""
-        return np.asarray(self._worker.trace(), dtype=np.int64).reshape(-1, 6)
+        """The record since set_trace(True), int64 [jobs, 7]: go seen, executor start,
+        executor end, done set (steady-clock microseconds), rows and routes computed, and
+        when the worker was free again (the copies ahead it queued and its warming done
+        after the answer). Read it between steps (no job running)."""
+        return np.asarray(self._worker.trace(), dtype=np.int64).reshape(-1, 7)
 
     def device_waits(self) -> tuple[float, int] | None:
         """(microseconds the device's receive kernels waited for the CPU's answers, calls)

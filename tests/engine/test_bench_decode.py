@@ -225,6 +225,7 @@ def test_profile_decode_step_with_a_cache_backend(capsys, monkeypatch):
     assert out.count("== hand-off worker, 3 steps without the profiler") == 2
     assert out.count("2.0 jobs per step") == 2  # two MoE layers
     assert "executor (CPU experts' compute)" in out and "counters per step: hits" in out
+    assert out.count("copies ahead queued, warming (done -> free)") == 2
     assert out.count("without the profiler; the kernel table's receive and fill times") == 2
     if sys.platform.startswith("linux"):
         assert out.count("host (engine/host_noise.py): steal ") == 2

@@ -76,7 +76,8 @@ def _close(got, want):
 
 def test_cpu_share_matches_the_reference(banks):
     """Also the worker's job record: one row per job, its rows and routes the CPU's share,
-    the times in order (go seen <= executor start <= end <= done)."""
+    the times in order (go seen <= executor start <= end <= done <= free <= the next job's
+    go seen)."""
     ho = Handoff(CpuMoeExecutor(2), banks, K, torch.device("cpu"), MAX_T)
     ho.set_trace(True)
     want_rows, want_routes = [], []
@@ -92,12 +93,13 @@ def test_cpu_share_matches_the_reference(banks):
         want_routes.append(int(mine.sum()))
     assert ho.jobs == 4
     tr = ho.trace()
-    assert tr.shape == (4, 6)
+    assert tr.shape == (4, 7)
     assert tr[:, 4].tolist() == want_rows and tr[:, 5].tolist() == want_routes
     assert (tr[:, 0] <= tr[:, 1]).all() and (tr[:, 1] <= tr[:, 2]).all()
-    assert (tr[:, 2] <= tr[:, 3]).all() and (tr[1:, 0] >= tr[:-1, 3]).all()
+    assert (tr[:, 2] <= tr[:, 3]).all() and (tr[:, 3] <= tr[:, 6]).all()
+    assert (tr[1:, 0] >= tr[:-1, 6]).all()
     ho.set_trace(False)
-    assert ho.trace().shape == (0, 6)
+    assert ho.trace().shape == (0, 7)
     ho.close()
 
 
