@@ -32,6 +32,7 @@ their previous settings, at one token on Qwen3-30B-A3B shapes, replayed from CUD
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -162,10 +163,15 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
     dev = runner.engine.device
     on_cuda = dev.type == "cuda"
     # warm-up, the hand-off record's steps and the profiled steps
-    rids = _start(runner, batch, args.prompt_len, 2 * args.steps + args.warmup)
+    delays = args.ahead_delays
+    more = (1 + len(delays) * args.delay_rounds * args.delay_steps) if delays else 0
+    rids = _start(runner, batch, args.prompt_len, 2 * args.steps + args.warmup + more)
     for _ in range(args.warmup):
         runner._step()
     handoff_table, handoff_wall = _handoff_steps(runner, args.steps, on_cuda)
+    if delays:
+        handoff_table += _delay_rounds(runner, batch, delays, args.delay_rounds,
+                                       args.delay_steps, on_cuda)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=acts) as prof:
         if on_cuda:
@@ -215,19 +221,15 @@ def profile_prefill(runner, prompt_len: int, args: argparse.Namespace) -> str:
 PROFILED_SLOWER = 1.5
 
 
-def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
-    """With an expert-cache backend (cpu, hybrid, offload's leftovers): `steps` decode steps
-    without the profiler, the hand-off worker's job record on, summed per step: where the
-    CPU's side of a step goes (executor, compaction before it, the answer after it, the
-    copies ahead it queues and its warming after the answer) and how long it then waits for
-    the device's next job (the layers' GPU work before each hand-off),
-    on a GPU also how long the device waits for the answers (the receive kernels' polling:
-    near zero when the device's share of a layer is the longer one), beside the expert-cache
-    counters; and the steps' wall time in us. ('', 0.0) for other backends."""
+def _handoff_record(runner, steps: int, on_cuda: bool) -> dict | None:
+    """`steps` decode steps without the profiler, the hand-off worker's job record on: the
+    steps' wall time (us a step) and, summed over them, the worker's phases (us), the
+    device's waits for the answers, the counters, warming and the host's noise; None for
+    backends without a hand-off."""
     moe = runner.engine.moe
     ho = getattr(getattr(moe, "cache", None), "_handoff", None)
     if ho is None:
-        return "", 0.0
+        return None
     c0 = moe.counters()
     p0 = ho.prefetch_stats()
     ho.set_trace(True)
@@ -247,40 +249,70 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
     w1 = ho.device_waits()
     c1 = moe.counters()
     p1 = ho.prefetch_stats()
+    rec = {"wall": wall, "steps": steps, "jobs": len(tr), "tr": tr, "noise": noise,
+           "counters": {k: (c1[k] - c0[k]) / steps for k in c1},
+           "warming": {k: p1[k] - p0[k] for k in p1}, "handoff": ho,
+           "device_wait": None if w0 is None else (w1[0] - w0[0], w1[1] - w0[1])}
+    if len(tr):
+        seen, f0, f1, done, rows, routes, free = tr.T
+        gaps = seen[1:] - free[:-1]
+        # a gap longer than a step's wall time is the host between steps, not a layer's GPU
+        # work
+        keep = gaps < wall
+        rec["phases"] = {"executor": (f1 - f0).sum(), "compaction": (f0 - seen).sum(),
+                         "answer": (done - f1).sum(),
+                         "after": (free - done)[:-1][keep].sum(), "wait": gaps[keep].sum()}
+    return rec
+
+
+_PHASES = (("executor", "executor (CPU experts' compute)"),
+           ("compaction", "compaction before it (go seen -> start)"),
+           ("answer", "answer after it (end -> done)"),
+           ("after", "copies ahead queued, warming (done -> free)"),
+           ("wait", "waiting for the device (free -> next job)"))
+
+
+def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
+    """With an expert-cache backend (cpu, hybrid, offload's leftovers): `steps` decode steps
+    without the profiler, the hand-off worker's job record on, summed per step: where the
+    CPU's side of a step goes (executor, compaction before it, the answer after it, the
+    copies ahead it queues and its warming after the answer) and how long it then waits for
+    the device's next job (the layers' GPU work before each hand-off),
+    on a GPU also how long the device waits for the answers (the receive kernels' polling:
+    near zero when the device's share of a layer is the longer one), beside the expert-cache
+    counters; and the steps' wall time in us. ('', 0.0) for other backends."""
+    rec = _handoff_record(runner, steps, on_cuda)
+    if rec is None:
+        return "", 0.0
+    wall, tr = rec["wall"], rec["tr"]
     if len(tr) == 0:
         return "\nhand-off: no jobs in these steps", wall
-    seen, f0, f1, done, rows, routes, free = tr.T
-    gaps = seen[1:] - free[:-1]
-    # a gap longer than a step's wall time is the host between steps, not a layer's GPU work
-    keep = gaps < wall
-    gaps, after = gaps[keep], (free - done)[:-1][keep]
-    per = {k: (c1[k] - c0[k]) / steps for k in c1}
+    noise = rec["noise"]
     n = len(tr) / steps
     lines = [f"\n== hand-off worker, {steps} steps without the profiler: {wall:.1f} us per step, "
              f"{n:.1f} jobs per step",
-             "counters per step: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()),
+             "counters per step: " + ", ".join(f"{k} {v:.1f}"
+                                               for k, v in rec["counters"].items()),
              *([] if noise is None else [f"host (engine/host_noise.py): {noise.text(steps)}"]),
              f"{'per step':<44} {'us':>9} {'per job':>9} {'of wall':>8}"]
-    for label, us in (("executor (CPU experts' compute)", (f1 - f0).sum()),
-                      ("compaction before it (go seen -> start)", (f0 - seen).sum()),
-                      ("answer after it (end -> done)", (done - f1).sum()),
-                      ("copies ahead queued, warming (done -> free)", after.sum()),
-                      ("waiting for the device (free -> next job)", gaps.sum())):
+    for key, label in _PHASES:
+        us = rec["phases"][key]
         lines.append(f"{label:<44} {us / steps:>9.1f} {us / len(tr):>9.1f} "
                      f"{100 * us / steps / wall:>7.1f}%")
-    if w0 is not None:  # the other side: the device's receive kernels polling for answers
-        us, calls = w1[0] - w0[0], w1[1] - w0[1]
+    if rec["device_wait"] is not None:  # the other side: the receive kernels' polling
+        us, calls = rec["device_wait"]
         lines.append(f"{'device waiting for the answers (receive)':<44} {us / steps:>9.1f} "
                      f"{us / max(calls, 1):>9.1f} {100 * us / steps / wall:>7.1f}%")
-    pf = {k: p1[k] - p0[k] for k in p1}
+    pf = rec["warming"]
     if pf["hints"]:  # warming (moe/handoff.py): the next layer's predicted CPU experts
         lines.append(f"warming: {pf['hints'] / steps:.1f} hints per step, "
                      f"{pf['warmed'] / pf['hints']:.2f} experts warmed per hint; of them "
                      f"{pf['used'] / max(pf['warmed'], 1):.0%} computed by the next job, "
                      f"{pf['used'] / max(pf['cpu'], 1):.0%} of its CPU experts")
+    seen, f0, f1, done, rows, routes, free = tr.T
     busy = f1 > f0
     if busy.any():
-        b0 = ho._banks[0]
+        b0 = rec["handoff"]._banks[0]
         per_expert = (b0.w13.nbytes() + b0.w2.nbytes()) / b0.num_experts
         us = (f1 - f0)[busy]
         lines.append(f"per job with CPU routes: {rows[busy].mean():.2f} rows, "
@@ -288,6 +320,49 @@ def _handoff_steps(runner, steps: int, on_cuda: bool) -> tuple[str, float]:
                      f"at one row, {(routes[busy] * per_expert).sum() / us.sum() / 1e3:.1f} "
                      "GB/s of expert weights")
     return "\n".join(lines), wall
+
+
+def _delay_rounds(runner, batch: int, delays: list[int], rounds: int, steps: int,
+                  on_cuda: bool) -> str:
+    """The hand-off worker's copies ahead held back `delays` us after each answer
+    (FREETOKEN_MOE_AHEAD_DELAY_US, set on the running worker), alternated for `rounds` rounds
+    of `steps` decode steps each on the same engine: per delay the median tokens/s of the
+    rounds and the worker's phases a job (the wait for the device's next job is the layer's
+    GPU work before the hand-off, where the copies share the link with the device's read of
+    the answer)."""
+    from freetoken import env
+
+    rec = _handoff_record(runner, 1, on_cuda)
+    if rec is None or not rec["handoff"].copies:
+        return "\n(--ahead-delays: no copies ahead by the hand-off's worker in this engine)"
+    worker = rec["handoff"]._worker
+    got: dict[int, list[dict]] = defaultdict(list)
+    try:
+        for _ in range(rounds):
+            for d in delays:
+                worker.set_ahead_delay(d)
+                got[d].append(_handoff_record(runner, steps, on_cuda))
+    finally:
+        worker.set_ahead_delay(env.moe_ahead_delay_us())
+    lines = [f"\n== copies ahead held back after each answer: {rounds} rounds of {steps} steps, "
+             "alternated: tok/s (median, each round), then us a job and CPU experts a step "
+             "(medians of the rounds)",
+             f"{'delay us':>8} {'tok/s':>8} {'executor':>9} {'after':>7} {'wait':>7} "
+             f"{'device waits':>12} {'CPU experts':>11}  rounds"]
+    for d in delays:
+        rs = got[d]
+        tps = [batch * 1e6 / r["wall"] for r in rs]
+
+        def per_job(key, rs=rs):
+            return statistics.median(r["phases"][key] / max(r["jobs"], 1) for r in rs)
+
+        dw = statistics.median(r["device_wait"][0] / max(r["device_wait"][1], 1)
+                               for r in rs) if rs[0]["device_wait"] is not None else float("nan")
+        cpu = statistics.median(r["counters"]["cpu"] for r in rs)
+        lines.append(f"{d:>8} {statistics.median(tps):>8.1f} {per_job('executor'):>9.1f} "
+                     f"{per_job('after'):>7.1f} {per_job('wait'):>7.1f} {dw:>12.1f} "
+                     f"{cpu:>11.1f}  " + " ".join(f"{t:.1f}" for t in tps))
+    return "\n".join(lines)
 
 
 def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], label: str, steps: int,
@@ -368,6 +443,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeline", type=int, default=0, metavar="N",
                    help="(CUDA) also the device's idle time before each kernel, and N kernels "
                    "of the middle step in order")
+    p.add_argument("--ahead-delays", default="",
+                   type=lambda s: [int(x) for x in s.split(",") if x.strip()],
+                   help="comma-separated us: the hand-off worker's copies ahead held back "
+                   "that long after each answer, alternated on the same engine (with "
+                   "--moe-fetch-ahead; FREETOKEN_MOE_AHEAD_DELAY_US)")
+    p.add_argument("--delay-rounds", type=int, default=3)
+    p.add_argument("--delay-steps", type=int, default=32)
     p.add_argument("--trace", default=None, metavar="PREFIX",
                    help="also write chrome traces PREFIX.b<batch>.json")
     return p.parse_args(argv)

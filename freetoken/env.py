@@ -160,6 +160,13 @@ def moe_ahead_worker() -> bool:
     return _unless_off("FREETOKEN_MOE_AHEAD_WORKER")
 
 
+def moe_ahead_delay_us() -> int:
+    """FREETOKEN_MOE_AHEAD_DELAY_US=N (0-1000, default 0): the hand-off's worker queues the
+    copies ahead no sooner than N microseconds after its answer, for measuring whether they
+    slow the device's read of that answer over the same link (`moe/handoff.py`)."""
+    return _int("FREETOKEN_MOE_AHEAD_DELAY_US", 0, 1000, "microseconds from 0 to 1000") or 0
+
+
 def moe_prefetch() -> bool:
     """FREETOKEN_MOE_PREFETCH=1: with the cpu and hybrid backends, the CPU hand-off's worker
     warms the next layer's predicted CPU experts into the executor threads' caches between

@@ -124,6 +124,20 @@ def test_attn_merge_splits(monkeypatch):
 
 
 
+def test_moe_ahead_delay_us(monkeypatch):
+    """FREETOKEN_MOE_AHEAD_DELAY_US=N: 0 when unset, an integer from 0 to 1000, else an error
+    naming it."""
+    name = "FREETOKEN_MOE_AHEAD_DELAY_US"
+    monkeypatch.delenv(name, raising=False)
+    assert env.moe_ahead_delay_us() == 0
+    monkeypatch.setenv(name, "12")
+    assert env.moe_ahead_delay_us() == 12
+    for bad, why in (("-1", "0 to 1000"), ("1001", "0 to 1000"), ("soon", "not an integer")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=why):
+            env.moe_ahead_delay_us()
+
+
 def test_moe_grouped(monkeypatch):
     """FREETOKEN_GPU_MOE_GROUPED=LO-HI: a span of token counts; 0 the empty span (0, 0);
     unset None (the module default); anything else an error naming it (which tokens it

@@ -182,6 +182,7 @@ NB_MODULE(_cpu_moe, m) {
       .def("set_prefetch", &ft::HandoffWorker::set_prefetch)
       .def("prefetch_stats", &ft::HandoffWorker::prefetch_stats)
       .def("set_copier", &ft::HandoffWorker::set_copier)
+      .def("set_ahead_delay", &ft::HandoffWorker::set_ahead_delay)
       .def("set_copy_layer", &ft::HandoffWorker::set_copy_layer)
       .def("wait_ahead", &ft::HandoffWorker::wait_ahead, nb::call_guard<nb::gil_scoped_release>())
       .def("ahead_stats", &ft::HandoffWorker::ahead_stats);

@@ -119,6 +119,7 @@ void HandoffWorker::loop(uint32_t last) {
       jobs_.fetch_add(1, std::memory_order_relaxed);
       store_release(buf_ + lay_.done, n);
       const int64_t done_at = now_us();  // the warming after it is part of the wait for the next
+      answered_at_ = done_at;
       serve_ahead();  // the job's list: posted while it ran
       if (lay_.hint && prefetch_.load(std::memory_order_relaxed)) warm_next(n);
       idle_since = now_us();
@@ -192,8 +193,14 @@ std::vector<int64_t> HandoffWorker::ahead_stats() const {
 // After a device wait that timed out the device goes on posting, and a list it overwrote
 // before it was served is skipped (ahead_done still passes its number; that step failed, and
 // the cache is filled again), so the worker never waits for a number it will not see.
+void HandoffWorker::set_ahead_delay(int64_t us) {
+  if (us < 0) throw std::invalid_argument("set_ahead_delay: us must be >= 0");
+  ahead_delay_us_ = us;
+}
+
 void HandoffWorker::serve_ahead() {
   if (!lay_.ahead || !copier_on_.load(std::memory_order_acquire)) return;
+  if (ahead_delay_us_ && now_us() - answered_at_ < ahead_delay_us_) return;  // the loop's next
   uint32_t a = 0;
   const uint8_t* area = nullptr;
   for (int64_t i = 0; i < 2; ++i) {

@@ -92,6 +92,9 @@ class HandoffWorker {
   bool wait_ahead(uint32_t a, double timeout_s);
   // Ahead lists served and experts copied since the worker started.
   std::vector<int64_t> ahead_stats() const;
+  // Serve no ahead list until `us` microseconds after an answer (0: at once): the device's
+  // receive reads the answer over the link the copies would fill. Call it while no job runs.
+  void set_ahead_delay(int64_t us);
   // Job timing for profiles: while on, each job appends {go seen, forward start, forward
   // end, done set (steady-clock us), rows computed, routes computed, free: the ahead copies
   // queued and the warming done after the answer (us)} (up to kTraceCap jobs).
@@ -135,6 +138,7 @@ class HandoffWorker {
   std::atomic<int64_t> stats_[4] = {};
   std::vector<int64_t> trace_;  // kTraceFields per job, reserved when tracing starts
   int64_t t_fwd0_ = 0, t_fwd1_ = 0, routes_ = 0;  // the current job's, for the trace
+  int64_t ahead_delay_us_ = 0, answered_at_ = 0;  // set_ahead_delay; the last answer's time
   struct Copier {
     uint64_t pool = 0, ctx = 0, set_ctx = 0, memcpy_h2d = 0, write_value = 0, stream = 0;
     int64_t slot_bytes = 0;

@@ -44,6 +44,7 @@ import time
 import numpy as np
 import torch
 
+from freetoken import env
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.cpu_executor import ACTIVATIONS, _ext, make_bank
 
@@ -178,6 +179,7 @@ class Handoff:
         kernel)."""
         for i, parts in enumerate(layers):
             self._worker.set_copy_layer(i, [int(v) for p in parts for v in p])
+        self._worker.set_ahead_delay(env.moe_ahead_delay_us())
         n = len(layers)
         if self.seq is None:
             self._worker.set_copier(pool.data_ptr(), slot_bytes, 0, 0, 0, 0, 0)

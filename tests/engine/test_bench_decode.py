@@ -231,6 +231,33 @@ def test_profile_decode_step_with_a_cache_backend(capsys, monkeypatch):
         assert out.count("host (engine/host_noise.py): steal ") == 2
 
 
+def test_profile_decode_step_ahead_delays(capsys):
+    """profile_decode_step.py --ahead-delays on the CPU (fetching ahead, the worker's memcpy
+    copies): the worker's delay is set per round on the running engine, a row per delay
+    with its rounds' tokens/s."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import profile_decode_step as pds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert pds.main(["--model", "tiny-qwen3-moe", "--dummy-weights", "--dummy-format",
+                         "q4_k", "--device", "cpu", "--moe-backend", "hybrid",
+                         "--moe-cache-rate", "0.5", "--moe-fetch-ahead", "1", "--batch", "1",
+                         "--steps", "2", "--warmup", "1", "--rows", "3", "--ahead-delays",
+                         "0,50", "--delay-rounds", "2", "--delay-steps", "3",
+                         "--no-show-progress"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "copies ahead held back after each answer: 2 rounds of 3 steps" in out
+    rows = [ln.split() for ln in out.splitlines() if ln.split()[:1] in (["0"], ["50"])]
+    assert [r[0] for r in rows] == ["0", "50"]
+    assert all(len(r) == 9 and float(r[1]) > 0 for r in rows), rows  # 7 columns, 2 rounds
+
+
 def test_ab_env_alternates_settings(capsys, monkeypatch):
     """benchmarks/ab_env.py on the CPU: one model, an engine per --set (a switch and an engine
     field), rounds alternated after a warm-up round that is printed and not recorded; a line

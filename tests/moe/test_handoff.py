@@ -533,10 +533,13 @@ def test_the_worker_copies_ahead_lists_into_their_slots(banks):
     ho.close()
 
 
-def test_an_ahead_list_beside_jobs_and_a_bad_list(banks):
+@pytest.mark.parametrize("delay_us", ["", "1000"])
+def test_an_ahead_list_beside_jobs_and_a_bad_list(banks, delay_us, monkeypatch):
     """With the CPU standing in: a list posted while a job is pending is copied and the job
     answered as the reference says; a list for a layer without parts is an error that names
-    it, and the next list is served."""
+    it, and the next list is served. Also with the copies held back after each answer
+    (FREETOKEN_MOE_AHEAD_DELAY_US): every list is still served."""
+    monkeypatch.setenv("FREETOKEN_MOE_AHEAD_DELAY_US", delay_us)
     ho, got, ref, hosts = _copying(banks, "cpu")
     x, ids, w, emap = _inputs(21, 2)
     ho.set_live(2)
