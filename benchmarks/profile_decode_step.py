@@ -57,8 +57,9 @@ def _engine(args: argparse.Namespace):
     from freetoken.engine.engine import Engine
     from freetoken.models.dummy import IdTokenizer
 
+    delays = len(args.ahead_delays) * args.delay_rounds * args.delay_steps
     config = bench_config(engine_config_from_args(args), args.batch or [1], args.prompt_len,
-                          args.steps + args.warmup, args.warmup, args.prefill)
+                          2 * args.steps + args.warmup + delays, args.warmup, args.prefill)
     tokenizer = IdTokenizer(1)
     engine = Engine(config, tokenizer=tokenizer)
     tokenizer.vocab_size = engine.model.config.vocab_size
