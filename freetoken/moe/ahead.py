@@ -41,7 +41,12 @@ if TYPE_CHECKING:
 # hand-off worker with the copy engine (30B Q4_K hybrid, H100 host, 2026-12-05): 99-100% hits,
 # 14% fewer CPU experts, no faster step (the next call's fill then waited behind the ahead
 # copy); with the fill beside it, on the H200 (2026-12-06), 16% fewer CPU experts, 100% hits,
-# 97.1 tok/s against 97.3: the step is no faster, so off
+# 97.1 tok/s against 97.3 (ab_env.py). Later the same day the 30B Q4_K hybrid (rate 0.1, batch
+# 1) ran faster with 1 everywhere else: H200, separate runs, 96.0 -> 105.0 tok/s; H100 hosts
+# 81.4 -> 87.8 and, alternated, 98.9 -> 108.5 (2 ahead: 104.1). But a 30B NVFP4 hybrid engine
+# with 1 (H100, no bw profile: 2 fetches a layer) made no progress for 4 minutes after its
+# executor started, where the same engine with 0 ran at 112 tok/s; until that is understood
+# and the H200 alternated A/B agrees, off
 FETCH_AHEAD = 0
 # Programs of an ahead fill per fetched part: its copies run beside the device's critical path
 # (attention, router), whose kernels a fill of one program per 16 KiB chunk slowed: on the
