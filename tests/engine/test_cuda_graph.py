@@ -253,6 +253,27 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
 
 
 @needs_cuda
+def test_nvfp4_engine_fetching_ahead_after_one_that_does_not():
+    """NVFP4 experts, hybrid: an engine fetching ahead built after one that does not, in one
+    process (as benchmarks/ab_env.py builds them), graphed and overlapped, gives the first
+    engine's greedy tokens (float32) and its copies ahead are hits. On an H100 host a 30B
+    NVFP4 engine built this way made no progress for 4 minutes after its executor started
+    (2026-12-06, 48 layers, no bw profile); this is that shape at 2 layers."""
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
+    kw = dict(model="qwen3-30b-a3b", dummy_layers=2, dummy_format="nvfp4",
+              moe_backend="hybrid", moe_cache_rate=0.25, max_running_requests=4)
+    first = dummy_engine(moe_fetch_ahead=0, **kw)
+    want = generate(first, params)
+    first.moe.close()
+    second = dummy_engine(moe_fetch_ahead=1, **kw)
+    assert second.runner.graphs is not None and second.overlap
+    assert generate(second, params) == want
+    c = second.moe.counters()
+    assert c["ahead"] > 0 and c["ahead_hits"] > 0, c
+    second.moe.close()
+
+
+@needs_cuda
 @pytest.mark.parametrize("overlap", [True, False])
 def test_decode_step_syncs_once(monkeypatch, overlap):
     """One host sync per replayed decode step: the sampled ids' read. With overlap (the
