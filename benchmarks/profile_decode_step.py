@@ -57,13 +57,19 @@ def _engine(args: argparse.Namespace):
     from freetoken.engine.engine import Engine
     from freetoken.models.dummy import IdTokenizer
 
-    delays = len(args.ahead_delays) * args.delay_rounds * args.delay_steps
     config = bench_config(engine_config_from_args(args), args.batch or [1], args.prompt_len,
-                          2 * args.steps + args.warmup + delays, args.warmup, args.prefill)
+                          _decode_steps(args), args.warmup, args.prefill)
     tokenizer = IdTokenizer(1)
     engine = Engine(config, tokenizer=tokenizer)
     tokenizer.vocab_size = engine.model.config.vocab_size
     return Runner(engine)
+
+
+def _decode_steps(args: argparse.Namespace) -> int:
+    """Decode steps a batch's requests run: warm-up, the hand-off record's, the profiled ones
+    and the --ahead-delays rounds'."""
+    return (2 * args.steps + args.warmup
+            + len(args.ahead_delays) * args.delay_rounds * args.delay_steps)
 
 
 def _start(runner, batch: int, prompt_len: int, steps: int) -> list[str]:
@@ -164,14 +170,12 @@ def profile_batch(runner, batch: int, args: argparse.Namespace) -> str:
     dev = runner.engine.device
     on_cuda = dev.type == "cuda"
     # warm-up, the hand-off record's steps and the profiled steps
-    delays = args.ahead_delays
-    more = (1 + len(delays) * args.delay_rounds * args.delay_steps) if delays else 0
-    rids = _start(runner, batch, args.prompt_len, 2 * args.steps + args.warmup + more)
+    rids = _start(runner, batch, args.prompt_len, _decode_steps(args))
     for _ in range(args.warmup):
         runner._step()
     handoff_table, handoff_wall = _handoff_steps(runner, args.steps, on_cuda)
-    if delays:
-        handoff_table += _delay_rounds(runner, batch, delays, args.delay_rounds,
+    if args.ahead_delays:
+        handoff_table += _delay_rounds(runner, batch, args.ahead_delays, args.delay_rounds,
                                        args.delay_steps, on_cuda)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=acts) as prof:
@@ -222,13 +226,17 @@ def profile_prefill(runner, prompt_len: int, args: argparse.Namespace) -> str:
 PROFILED_SLOWER = 1.5
 
 
+def _handoff_of(runner):
+    """The engine's CPU hand-off (moe/handoff.py), or None (another backend, or not started)."""
+    return getattr(getattr(runner.engine.moe, "cache", None), "_handoff", None)
+
+
 def _handoff_record(runner, steps: int, on_cuda: bool) -> dict | None:
     """`steps` decode steps without the profiler, the hand-off worker's job record on: the
     steps' wall time (us a step) and, summed over them, the worker's phases (us), the
     device's waits for the answers, the counters, warming and the host's noise; None for
     backends without a hand-off."""
-    moe = runner.engine.moe
-    ho = getattr(getattr(moe, "cache", None), "_handoff", None)
+    moe, ho = runner.engine.moe, _handoff_of(runner)
     if ho is None:
         return None
     c0 = moe.counters()
@@ -333,10 +341,10 @@ def _delay_rounds(runner, batch: int, delays: list[int], rounds: int, steps: int
     the answer)."""
     from freetoken import env
 
-    rec = _handoff_record(runner, 1, on_cuda)
-    if rec is None or not rec["handoff"].copies:
+    ho = _handoff_of(runner)
+    if ho is None or not ho.copies:
         return "\n(--ahead-delays: no copies ahead by the hand-off's worker in this engine)"
-    worker = rec["handoff"]._worker
+    worker = ho._worker
     got: dict[int, list[dict]] = defaultdict(list)
     try:
         for _ in range(rounds):

@@ -95,47 +95,27 @@ def test_moe_down_tiles(monkeypatch):
         env.gpu_moe_down_tiles()
 
 
-def test_linear_mt(monkeypatch):
-    """FREETOKEN_GPU_LINEAR_MT=N: an integer 0-16, else an error naming it."""
-    name = "FREETOKEN_GPU_LINEAR_MT"
+@pytest.mark.parametrize("name,read,unset,good,bad", [
+    ("FREETOKEN_GPU_LINEAR_MT", env.gpu_linear_mt, None, ((" 8 ", 8), ("0", 0), ("16", 16)),
+     (("17", "0 \\(off\\) to 16"), ("-1", "0 \\(off\\) to 16"), ("all", "not an integer"))),
+    ("FREETOKEN_GPU_ATTN_MERGE_SPLITS", env.gpu_attn_merge_splits, None, ((" 16 ", 16),),
+     (("0", "1 or more"), ("-2", "1 or more"), ("four", "not an integer"))),
+    ("FREETOKEN_MOE_AHEAD_DELAY_US", env.moe_ahead_delay_us, 0, (("12", 12),),
+     (("-1", "0 to 1000"), ("1001", "0 to 1000"), ("soon", "not an integer"))),
+])
+def test_integer_switch(name, read, unset, good, bad, monkeypatch):
+    """FREETOKEN_GPU_LINEAR_MT (0-16), FREETOKEN_GPU_ATTN_MERGE_SPLITS (from 1 on) and
+    FREETOKEN_MOE_AHEAD_DELAY_US (0-1000, 0 when unset): the unset value, integers in range
+    as given, anything else an error naming the switch."""
     monkeypatch.delenv(name, raising=False)
-    assert env.gpu_linear_mt() is None
-    for v, n in ((" 8 ", 8), ("0", 0), ("16", 16)):
+    assert read() == unset
+    for v, n in good:
         monkeypatch.setenv(name, v)
-        assert env.gpu_linear_mt() == n
-    for bad, why in (("17", "0 \\(off\\) to 16"), ("-1", "0 \\(off\\) to 16"),
-                     ("all", "not an integer")):
-        monkeypatch.setenv(name, bad)
+        assert read() == n
+    for v, why in bad:
+        monkeypatch.setenv(name, v)
         with pytest.raises(ValueError, match=why):
-            env.gpu_linear_mt()
-
-
-def test_attn_merge_splits(monkeypatch):
-    """FREETOKEN_GPU_ATTN_MERGE_SPLITS=N: an integer from 1 on, else an error naming it."""
-    name = "FREETOKEN_GPU_ATTN_MERGE_SPLITS"
-    monkeypatch.delenv(name, raising=False)
-    assert env.gpu_attn_merge_splits() is None
-    monkeypatch.setenv(name, " 16 ")
-    assert env.gpu_attn_merge_splits() == 16
-    for bad, why in (("0", "1 or more"), ("-2", "1 or more"), ("four", "not an integer")):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=why):
-            env.gpu_attn_merge_splits()
-
-
-
-def test_moe_ahead_delay_us(monkeypatch):
-    """FREETOKEN_MOE_AHEAD_DELAY_US=N: 0 when unset, an integer from 0 to 1000, else an error
-    naming it."""
-    name = "FREETOKEN_MOE_AHEAD_DELAY_US"
-    monkeypatch.delenv(name, raising=False)
-    assert env.moe_ahead_delay_us() == 0
-    monkeypatch.setenv(name, "12")
-    assert env.moe_ahead_delay_us() == 12
-    for bad, why in (("-1", "0 to 1000"), ("1001", "0 to 1000"), ("soon", "not an integer")):
-        monkeypatch.setenv(name, bad)
-        with pytest.raises(ValueError, match=why):
-            env.moe_ahead_delay_us()
+            read()
 
 
 def test_moe_grouped(monkeypatch):

@@ -187,17 +187,17 @@ std::vector<int64_t> HandoffWorker::ahead_stats() const {
           ahead_stats_[1].load(std::memory_order_relaxed)};
 }
 
+void HandoffWorker::set_ahead_delay(int64_t us) {
+  if (us < 0) throw std::invalid_argument("set_ahead_delay: us must be >= 0");
+  ahead_delay_us_ = us;
+}
+
 // Serve the next ahead list if it was posted: its copies, then ahead_done. Every list is
 // served, a failed one too (its copies skipped, the error set): the device waits for each.
 // The next list is the older of the two areas' lists not served yet: list a + 1 normally.
 // After a device wait that timed out the device goes on posting, and a list it overwrote
 // before it was served is skipped (ahead_done still passes its number; that step failed, and
 // the cache is filled again), so the worker never waits for a number it will not see.
-void HandoffWorker::set_ahead_delay(int64_t us) {
-  if (us < 0) throw std::invalid_argument("set_ahead_delay: us must be >= 0");
-  ahead_delay_us_ = us;
-}
-
 void HandoffWorker::serve_ahead() {
   if (!lay_.ahead || !copier_on_.load(std::memory_order_acquire)) return;
   if (ahead_delay_us_ && now_us() - answered_at_ < ahead_delay_us_) return;  // the loop's next
