@@ -7,10 +7,11 @@ waits for the next job):
   layer's predicted misses get slots now and are copied in during the gap, so that its call
   finds them as hits and has fewer misses to split. Where a call hands work to the CPU, the
   hand-off's worker copies them once it has answered the call's job, with the copy engine
-  (moe/handoff.py: copies ahead); else (or FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on a
-  stream of its own, which takes SMs from the kernels beside it. The next call fills its own
-  fetches beside those copies (its plan does not evict slots given ahead for it: they carry
-  its clock) and waits for them only before its device kernel reads the slots;
+  (moe/handoff.py: copies ahead) in a CUDA graph's steps; else (eager steps on a GPU, or
+  FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on a stream of its own, which takes SMs from
+  the kernels beside it. The next call fills its own fetches beside those copies (its plan
+  does not evict slots given ahead for it: they carry its clock) and waits for them only
+  before its device kernel reads the slots;
 - warming (FREETOKEN_MOE_PREFETCH=1, cpu / hybrid): the predicted CPU experts are posted to
   the hand-off's worker, which reads their rows into the executor threads' caches until the
   next job comes (moe/handoff.py: warming).
@@ -43,10 +44,10 @@ if TYPE_CHECKING:
 # copy); with the fill beside it, on the H200 (2026-12-06), 16% fewer CPU experts, 100% hits,
 # 97.1 tok/s against 97.3 (ab_env.py). Later the same day the 30B Q4_K hybrid (rate 0.1, batch
 # 1) ran faster with 1 everywhere else: H200, separate runs, 96.0 -> 105.0 tok/s; H100 hosts
-# 81.4 -> 87.8 and, alternated, 98.9 -> 108.5 (2 ahead: 104.1). But a 30B NVFP4 hybrid engine
-# with 1 (H100, no bw profile: 2 fetches a layer) made no progress for 4 minutes after its
-# executor started, where the same engine with 0 ran at 112 tok/s; until that is understood
-# and the H200 alternated A/B agrees, off
+# 81.4 -> 87.8 and, alternated, 98.9 -> 108.5 (2 ahead: 104.1). A 30B NVFP4 engine with 1
+# stalled at start-up (a kernel module loaded while the device waited for the worker's
+# copies: README); with that fixed, alternated on H100 hosts it lost (2026-12-06: Q4_K 111.3
+# -> 102.8 tok/s without a bw profile, 115.4 -> 112.5 with one; NVFP4 111.8 -> 102.1): off
 FETCH_AHEAD = 0
 # Programs of an ahead fill per fetched part: its copies run beside the device's critical path
 # (attention, router), whose kernels a fill of one program per 16 KiB chunk slowed: on the
@@ -111,7 +112,13 @@ class Ahead:
             return None
         c = self.ec.cache
         warm = ho is not None and self.prefetch and not self.ec.fetch_all
-        worker = ho is not None and ho.copies  # the worker copies them after this call's job
+        # the worker copies them after this call's job, inside a CUDA graph only: an eager
+        # step's host may load a kernel module or free memory, which holds the driver until
+        # the device is idle, while the device waits for the worker's copy calls (they then
+        # wait for the driver: a 30 s stall a layer, seen at graph capture on an H100 host);
+        # eager steps fill their slots ahead with the fill kernel
+        worker = (ho is not None and ho.copies
+                  and (self.stream is None or torch.cuda.is_current_stream_capturing()))
         with record_function("moe.ahead"):
             if self.stream is None:  # the CPU standing in: in line
                 fetched = c.plan_ahead(nxt, self.predictors[nxt](x), self.n)

@@ -197,8 +197,22 @@ class Handoff:
                 self._ahead_seq = torch.zeros(1, dtype=torch.int32, device=self.device)
                 self._ahead_want_dev = torch.zeros(max(1, n), dtype=torch.int32,
                                                    device=self.device)
+            self._load_ahead_kernels()
         self.copies = True
         return None
+
+    def _load_ahead_kernels(self) -> None:
+        """Compile and load the post and wait kernels now, while the device is idle, by an
+        empty list for MoE layer 0 and its wait: a kernel module loaded while the device
+        waits for the worker's copies holds the driver that the worker's copy calls need
+        (`kernels/triton/handoff.py: post_ahead`)."""
+        from freetoken.kernels.triton.handoff import post_ahead, wait_ahead
+
+        none = torch.full((2, 1), -1, dtype=torch.int64, device=self.device)
+        post_ahead(none, self._ahead_seq, self._ahead_want_dev, self.buf, self.off, 0)
+        wait_ahead(self._ahead_want_dev, 0, self.buf, self.off)
+        torch.cuda.synchronize(self.device)
+        self.check()
 
     def post_ahead(self, layer: int, fetched: torch.Tensor) -> None:
         """List layer `layer`'s experts given slots ahead (fetched int64 [2, n]: (expert,

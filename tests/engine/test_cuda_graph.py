@@ -257,8 +257,11 @@ def test_nvfp4_engine_fetching_ahead_after_one_that_does_not():
     """NVFP4 experts, hybrid: an engine fetching ahead built after one that does not, in one
     process (as benchmarks/ab_env.py builds them), graphed and overlapped, gives the first
     engine's greedy tokens (float32) and its copies ahead are hits. On an H100 host a 30B
-    NVFP4 engine built this way made no progress for 4 minutes after its executor started
-    (2026-12-06, 48 layers, no bw profile); this is that shape at 2 layers."""
+    NVFP4 engine built this way stalled for minutes at start-up (2026-12-06, 48 layers): a
+    kernel module loaded by an eager step while the device waited for the worker's copies.
+    So the worker copies ahead lists only in graph replays: here the eager prefill steps
+    and an engine without graphs fill their slots ahead with the fill kernel, and the
+    worker serves no list but the empty one its copies start with."""
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
     kw = dict(model="qwen3-30b-a3b", dummy_layers=2, dummy_format="nvfp4",
               moe_backend="hybrid", moe_cache_rate=0.25, max_running_requests=4)
@@ -270,7 +273,15 @@ def test_nvfp4_engine_fetching_ahead_after_one_that_does_not():
     assert generate(second, params) == want
     c = second.moe.counters()
     assert c["ahead"] > 0 and c["ahead_hits"] > 0, c
+    assert second.moe.cache.handoff.ahead_stats()["lists"] > 1  # the graphs' lists
     second.moe.close()
+    eager = dummy_engine(moe_fetch_ahead=1, disable_cuda_graph=True, **kw)
+    assert eager.runner.graphs is None
+    assert generate(eager, params) == want
+    c = eager.moe.counters()
+    assert c["ahead"] > 0 and c["ahead_hits"] > 0, c
+    assert eager.moe.cache.handoff.ahead_stats() == {"lists": 1, "copied": 0}
+    eager.moe.close()
 
 
 @needs_cuda

@@ -299,7 +299,10 @@ def _hint_kernel(ids_ptr, map_ptr, live_ptr, seq_ptr, hi32, o_hint, layer, T, K,
     job_post(n, hi32, o_hint, ASM)
 
 
-@triton.jit
+# `layer` and `n` are not specialized on (Triton compiles a variant for 1 and for multiples
+# of 16): a variant loaded mid-step, while the device waits for the worker's copies, holds
+# the driver that the worker's copy calls need (see `post_ahead`)
+@triton.jit(do_not_specialize=["n", "layer"])
 def _ahead_post_kernel(fetched_ptr, n, seq_ptr, want_ptr, layer, hi32, o_ahead, area_words,
                        NB: tl.constexpr, ASM: tl.constexpr):
     """See `post_ahead`: the valid (expert >= 0) pairs packed in order, their count, the
@@ -320,7 +323,7 @@ def _ahead_post_kernel(fetched_ptr, n, seq_ptr, want_ptr, layer, hi32, o_ahead, 
     job_post(a, hi32, o, ASM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer"])
 def _ahead_wait_kernel(want_ptr, layer, hi32, o_done, o_timeout, timeout_ns,
                        ASM: tl.constexpr):
     """Poll `ahead_done` until it reaches want[layer] (int32 order, wrapping), or give up
@@ -492,14 +495,20 @@ def post_ahead(fetched: torch.Tensor, seq: torch.Tensor, want: torch.Tensor, buf
                off: dict, layer: int) -> None:
     """The ahead list of MoE layer `layer` (moe/handoff.py `Handoff.post_ahead`): fetched
     int64 [2, n] (expert, slot; -1 = none); seq int32 [1] the lists' counter, want int32 [L]
-    the last list of each layer, both on the device."""
+    the last list of each layer, both on the device.
+
+    One compiled variant for every layer, list width and batch size (`do_not_specialize`,
+    NB from the buffer's list size), loaded once by `Handoff.start_copies`: loading a module
+    takes the CUDA driver until the device is idle (on an H100, 2026-12-06, the main thread
+    sat in Triton's module load for minutes while the device waited for the worker's copies,
+    whose driver calls waited for the load), so no variant may load while copies are awaited."""
     n = fetched.shape[1]
     if n > off["ahead_max"]:
         raise ValueError(f"post_ahead: {n} experts, the list holds {off['ahead_max']}")
     _ahead_post_kernel[(1,)](fetched, n, seq, want, layer, buf.view(torch.int32),
                              off["ahead"] // 4, (16 + 8 * off["ahead_max"]) // 4,
-                             NB=max(16, triton.next_power_of_2(n)), ASM=not interpreting(),
-                             num_warps=1)
+                             NB=max(16, triton.next_power_of_2(off["ahead_max"])),
+                             ASM=not interpreting(), num_warps=1)
 
 
 def wait_ahead(want: torch.Tensor, layer: int, buf: torch.Tensor, off: dict) -> None:
