@@ -77,8 +77,7 @@ def cached_block():
 def host_register():
     t = torch.empty(1 << 26, dtype=torch.uint8)
     held["reg"] = t
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-    held["reg_rc"] = rc
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0))
 
 
 def free_pinned():
@@ -147,6 +146,6 @@ for size, (name, setup, fn) in [(z, c) for z in sizes for c in cases]:
     torch.cuda.synchronize()
     held.pop("m", None)
     if "reg" in held:
-        torch.cuda.cudart().cudaHostUnregister(held.pop("reg").data_ptr())
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(held.pop("reg").data_ptr()))
     print(f"{name:34s} main {dt:6.3f} s  helper memcpy call {log[0][2]*1e3:8.1f} ms  "
           f"timeout {words[off['timeout'] // 4]}  rc {log[0][:2]}", flush=True)

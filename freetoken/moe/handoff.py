@@ -206,11 +206,8 @@ class Handoff:
         empty list for MoE layer 0 and its wait: a kernel module loaded while the device
         waits for the worker's copies holds the driver that the worker's copy calls need
         (`kernels/triton/handoff.py: post_ahead`)."""
-        from freetoken.kernels.triton.handoff import post_ahead, wait_ahead
-
-        none = torch.full((2, 1), -1, dtype=torch.int64, device=self.device)
-        post_ahead(none, self._ahead_seq, self._ahead_want_dev, self.buf, self.off, 0)
-        wait_ahead(self._ahead_want_dev, 0, self.buf, self.off)
+        self.post_ahead(0, torch.full((2, 1), -1, dtype=torch.int64, device=self.device))
+        self.wait_ahead(0)
         torch.cuda.synchronize(self.device)
         self.check()
 
