@@ -4,6 +4,8 @@
         [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
     python benchmarks/bench_gpu_kernels.py --moe-grouped   # the MoE at 4-16 tokens: per-route
         # int8 GEMVs against the int8 grouped kernels (moe.GROUPED_TOKENS, GROUP_I8_TILES)
+    python benchmarks/bench_gpu_kernels.py --moe-routes   # the per-route MoE: bound by its
+        # routes or by the distinct experts' bytes
     python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge,
         # and the q/k norm, rotary and KV store in its launch against a launch of their own
 
@@ -346,6 +348,43 @@ def bench_moe_grouped(tokens: tuple[int, ...] = (4, 8, 16), e: int = 128, h: int
                   + "  ".join(cells) + f"   {best[1]} {best[0] * 1e3:.1f} us", flush=True)
 
 
+def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
+    """What bounds the per-route MoE (today's decode path, 30B shape, bf16 x quantized by the
+    RMSNorm before it): at 1, 4 and 16 tokens the same number of routes over random experts
+    (as with uniform routing), over 8 experts only (every token picks the same ones: a
+    fifth of the bytes at 16 tokens, the rest read again from L2) and over as many distinct
+    experts as routes. If the time follows the routes, not the distinct bytes, the per-route
+    work (each route expanding its expert's codes) bounds it, not HBM."""
+    from freetoken import kernels
+    from freetoken.kernels.triton.moe import fused_moe_triton
+
+    print(f"{'format':6s} {'T':>3s} {'routing':9s} {'experts':>7s} {'routes':>6s} {'us':>7s} "
+          f"{'TB/s of distinct bytes':>22s}")
+    for fmt in ("Q4_K", "nvfp4"):
+        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
+                          torch.rand(e, 4, device="cuda") + 0.5)
+        per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
+        emap = torch.arange(e, dtype=torch.int32, device="cuda")
+        nw = torch.rand(h, device="cuda") + 0.5
+        for t in (1, 4, 16):
+            torch.manual_seed(t)
+            x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw,
+                                 1e-6, quantize=True)
+            w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+            cases = {
+                "random": torch.stack([torch.randperm(e, device="cuda")[:topk]
+                                       for _ in range(t)]),
+                "same 8": torch.arange(topk, device="cuda").repeat(t, 1),
+                "distinct": (torch.arange(t * topk, device="cuda") % e).reshape(t, topk),
+            }
+            for name, ids in cases.items():
+                u = int(torch.unique(ids).numel())
+                _, g = time_call(lambda ids=ids, x=x, w=w, bank=bank, emap=emap:
+                                 fused_moe_triton(x, bank, ids, w, "silu", emap, grouped=False))
+                print(f"{fmt:6s} {t:3d} {name:9s} {u:7d} {t * topk:6d} {g * 1e3:7.1f} "
+                      f"{u * per_expert / g / 1e9:22.2f}", flush=True)
+
+
 def bench_dense_gemm(tokens: tuple[int, ...] = (128, 256, 512, 2048)) -> None:
     """Prefill's dense linears: the tl.dot tiles (`linear._blocks`' choice) against decoded
     rows and torch's GEMM (`linear.dequant_gemm`, the choice from DEQUANT_GEMM_TOKENS)."""
@@ -535,6 +574,9 @@ def main() -> None:
     p.add_argument("--moe-grouped", action="store_true",
                    help="only time one MoE layer (30B shape, Q4_K and NVFP4) at 4, 8 and 16 "
                         "tokens: per-route int8 GEMVs against the int8 grouped kernels")
+    p.add_argument("--moe-routes", action="store_true",
+                   help="only time one MoE layer (30B shape) at 1, 4 and 16 tokens over random, "
+                        "8 shared and all distinct experts: bound by routes or by bytes")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     p.add_argument("--dense-gemm", action="store_true",
                    help="only time prefill's dense linears: tl.dot tiles against decoded rows "
@@ -566,6 +608,9 @@ def main() -> None:
         return
     if a.moe_grouped:
         bench_moe_grouped()
+        return
+    if a.moe_routes:
+        bench_moe_routes()
         return
     if a.router:
         bench_router()
