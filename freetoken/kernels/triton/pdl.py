@@ -30,6 +30,11 @@ benchmarks/ab_env.py, medians of two rounds, off / 1 / early, batch 1 and 16): 3
 448.2 / 444.9 / 465.3 and 1943.3 / 1946.9 / 1943.2; 35B NVFP4 421.0 / 397.0 / 413.4 and
 2202.9 / 2182.4 / 2054.7; the 35B NVFP4 hybrid at rate 0.1, batch 1 and 4, off / 1: 155.9 /
 155.1 and 208.4 / 198.7. `early` gains 4% on one model at batch 1 and loses elsewhere.
+On reads alone it does save time: a batch-1 step of the 30B shape modelled as 288 dependent
+kernels that only read each phase's bytes (benchmarks/probe_persistent.py, H200, 2026-12-06)
+took 1,260 us a step without, 1,117 with PDL 1 (0.5 us less a boundary), 1,172 early, 1,125
+and 1,204 with `prefetch_l2` before `wait`: why the engine's kernels gain nothing of it is not
+known yet.
 """
 
 from __future__ import annotations
