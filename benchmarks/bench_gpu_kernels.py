@@ -385,6 +385,43 @@ def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 
                       f"{u * per_expert / g / 1e9:22.2f}", flush=True)
 
 
+def profile_step_kernels(t: int, e: int = 128, h: int = 2048, inter: int = 768,
+                         topk: int = 8) -> None:
+    """For a profiler started off (`ncu --profile-from-start off`): the decode kernels of one
+    30B-shape layer at t tokens (split Q8_0 qkv and o_proj, the Q4_K MoE's gate/up and down,
+    the fused residual norm + router), each run three times to warm up, then once between
+    cudaProfilerStart and cudaProfilerStop."""
+    from freetoken import kernels
+    from freetoken.kernels.triton.moe import fused_moe_triton
+    from freetoken.kernels.triton.route import norm_gate_route_triton
+
+    qkv, o = make_weight("Q8_0s", (5120, h)), make_weight("Q8_0s", (h, 4096))
+    bank = ExpertBank(make_weight("Q4_K", (e, 2 * inter, h)), make_weight("Q4_K", (e, h, inter)),
+                      torch.rand(e, 4, device="cuda") + 0.5)
+    emap = torch.arange(e, dtype=torch.int32, device="cuda")
+    nw = torch.rand(h, device="cuda") + 0.5
+    gate = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
+    xr = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    x = kernels.rms_norm(xr, nw, 1e-6, quantize=True)  # the codes attached, as at decode
+    xa = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+    ops = [lambda: linear(x, qkv), lambda: linear(xa, o),
+           lambda: fused_moe_triton(x, bank, ids, w, "silu", emap, grouped=False),
+           lambda: norm_gate_route_triton(xr, xr, nw, 1e-6, True, gate, topk, False, True,
+                                          None)]
+    for _ in range(3):
+        for f in ops:
+            f()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for f in ops:
+        f()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print(f"ran the {t}-token decode kernels once between cudaProfilerStart and Stop")
+
+
 def bench_dense_gemm(tokens: tuple[int, ...] = (128, 256, 512, 2048)) -> None:
     """Prefill's dense linears: the tl.dot tiles (`linear._blocks`' choice) against decoded
     rows and torch's GEMM (`linear.dequant_gemm`, the choice from DEQUANT_GEMM_TOKENS)."""
@@ -577,6 +614,9 @@ def main() -> None:
     p.add_argument("--moe-routes", action="store_true",
                    help="only time one MoE layer (30B shape) at 1, 4 and 16 tokens over random, "
                         "8 shared and all distinct experts: bound by routes or by bytes")
+    p.add_argument("--profile-step-kernels", type=int, default=0, metavar="T",
+                   help="only run one 30B-shape layer's decode kernels at T tokens once, "
+                        "between cudaProfilerStart and Stop (for ncu --profile-from-start off)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
     p.add_argument("--dense-gemm", action="store_true",
                    help="only time prefill's dense linears: tl.dot tiles against decoded rows "
@@ -611,6 +651,9 @@ def main() -> None:
         return
     if a.moe_routes:
         bench_moe_routes()
+        return
+    if a.profile_step_kernels:
+        profile_step_kernels(a.profile_step_kernels)
         return
     if a.router:
         bench_router()
