@@ -10,7 +10,8 @@
 #    MoE: duration, DRAM throughput, registers, occupancy, issue stalls;
 # 4. pdl: programmatic dependent launch on and off in the engine (benchmarks/ab_env.py), the
 #    30B Q4_K fused at batch 1 and 16 and hybrid at rate 0.1, batch 1 (probe_persistent.py saw
-#    0.5 us less a kernel boundary on pure reads; the engine measured nothing so far).
+#    0.5 us less a kernel boundary on pure reads; the engine measured nothing so far); before
+#    the hybrid, gpu_moe_backends.sh builds the CPU executor and runs `ft bench bw`.
 #   bash benchmarks/gpu_bounds.sh OUT_DIR
 set -uo pipefail
 out=${1:?usage: gpu_bounds.sh OUT_DIR}
@@ -45,4 +46,6 @@ ab() {  # ab NAME SECONDS BACKEND BATCHES [args]: FREETOKEN_GPU_PDL=0 / 1 altern
     --set FREETOKEN_GPU_PDL=0 --set FREETOKEN_GPU_PDL=1
 }
 ab pdl_fused 200 fused 1,16
+# the hybrid needs the CPU executor (built by gpu_moe_backends.sh) and this host's bw profile
+STAGES=bw bash benchmarks/gpu_moe_backends.sh bars "$out/bw" > "$out/bw.txt" 2>&1
 ab pdl_hybrid 200 hybrid 1 --moe-cache-rate 0.1
