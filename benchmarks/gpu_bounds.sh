@@ -19,6 +19,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 cd "$root"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
+# where gpu_moe_backends.sh writes the bw profile the hybrid reads
+export FREETOKEN_CACHE=${FREETOKEN_CACHE:-/tmp/freetoken-cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 
 stage() {  # stage NAME SECONDS COMMAND...: output in OUT/NAME.txt, exit status and time last
   local name=$1 limit=$2 t0=$SECONDS
