@@ -88,20 +88,25 @@ def time_call(fn) -> tuple[float, float | None]:
     torch.cuda.synchronize()
     eager = _median_ms(lambda c: [fn() for _ in range(c)])
     try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            with torch.cuda.graph(g, stream=s):
-                for _ in range(20):
-                    fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = _median_ms(lambda c: [g.replay() for _ in range(c // 20)], calls=20)
+        graph = graph_ms(fn)
     except Exception as e:  # noqa: BLE001 - reported, the eager figure still stands
         print(f"  (graph capture failed: {type(e).__name__}: {e})")
         graph = None
     return eager, graph
+
+
+def graph_ms(fn, calls: int = 20) -> float:
+    """ms per call of fn, `calls` of them captured in one CUDA graph, its replays timed."""
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g, stream=s):
+            for _ in range(calls):
+                fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return _median_ms(lambda c: [g.replay() for _ in range(c // calls)], calls=calls)
 
 
 def hbm_copy_gbs(nbytes: int = 1 << 30) -> float:

@@ -116,30 +116,9 @@ def _persistent_kernel(bufs, sizes, may, parts, bar, NPH: tl.constexpr, PREFETCH
         tl.atomic_add(bar, 0, sem="acquire")
 
 
-def _graph_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[2]
-
-
 def main() -> None:
+    from bench_gpu_kernels import graph_ms  # this script's folder (as profile_decode_step.py)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--per-sm", default="1,2", help="programs per SM of the persistent kernel")
@@ -152,7 +131,7 @@ def main() -> None:
     total = sum(b.numel() * 4 for b in bufs)
     big = torch.ones(1 << 28, dtype=torch.int32, device=dev)
     out = torch.empty(triton.cdiv(big.numel(), BLOCK), dtype=torch.int32, device=dev)
-    read_ms = _graph_ms(lambda: _phase_kernel[(out.numel(),)](big, big.numel(), out, 1, out,
+    read_ms = graph_ms(lambda: _phase_kernel[(out.numel(),)](big, big.numel(), out, 1, out,
                                                               BLOCK=BLOCK, num_warps=8))
     rate = big.numel() * 4 / read_ms / 1e6  # GB/s
     print(f"{torch.cuda.get_device_name()}, {sms} SMs; one 1 GiB read: {rate:,.0f} GB/s; "
@@ -161,7 +140,7 @@ def main() -> None:
     print(f"{'one read, MB':>12s} {'us':>7s} {'TB/s':>6s}")
     for mb in (1, 4, 7, 11, 14, 22, 330):
         b = big[:mb * (1 << 20) // 4]
-        us = 1e3 * _graph_ms(lambda b=b: _read_kernel[(triton.cdiv(b.numel(), BLOCK),)](
+        us = 1e3 * graph_ms(lambda b=b: _read_kernel[(triton.cdiv(b.numel(), BLOCK),)](
             b, out, b.numel(), BLOCK=BLOCK, num_warps=4))
         print(f"{mb:12d} {us:7.2f} {b.numel() * 4 / us / 1e6:6.2f}")
     parts = torch.zeros(len(phases) + 1, 1024, dtype=torch.int32, device=dev)
@@ -175,7 +154,7 @@ def main() -> None:
         return fn
 
     chunks = lambda b: min(1024, triton.cdiv(b.numel(), BLOCK))  # noqa: E731
-    rows = [("launches, 16 KB a program", _graph_ms(launches(chunks)))]
+    rows = [("launches, 16 KB a program", graph_ms(launches(chunks)))]
     for pdl in (1, 2):  # as the previous kernel's programs exit / as soon as they start
         for pf in (0, 1):
             def fn(pdl=pdl, pf=pf):
@@ -186,7 +165,7 @@ def main() -> None:
                                                     PF=bool(pf and phases[i][2]), num_warps=8,
                                                     launch_pdl=True)
             rows.append((f"launches, PDL {'early' if pdl == 2 else 'at exit'}"
-                         + (", prefetch" if pf else ""), _graph_ms(fn)))
+                         + (", prefetch" if pf else ""), graph_ms(fn)))
     addr = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=dev)
     sizes = torch.tensor([b.numel() for b in bufs], dtype=torch.int32, device=dev)
     may = torch.tensor([int(m) for _, _, m in phases], dtype=torch.int32, device=dev)
@@ -194,14 +173,14 @@ def main() -> None:
     for per_sm in (int(x) for x in a.per_sm.split(",")):
         nprog = sms * per_sm
         rows.append((f"launches, {nprog} programs",
-                     _graph_ms(launches(lambda b, n=nprog: n))))
+                     graph_ms(launches(lambda b, n=nprog: n))))
         for pf in (0, 1):
             def fn(pf=pf, nprog=nprog):
                 bar.zero_()
                 _persistent_kernel[(nprog,)](addr, sizes, may, parts, bar, NPH=len(phases),
                                              PREFETCH=pf, BLOCK=BLOCK, num_warps=8)
             rows.append((f"persistent, {nprog} programs" + (", prefetch" if pf else ""),
-                         _graph_ms(fn)))
+                         graph_ms(fn)))
     floor = total / rate / 1e3  # us
     print(f"{'way':40s} {'us a step':>10s} {'us a phase over the bytes':>26s} {'x floor':>8s}")
     for name, ms in rows:
