@@ -39,15 +39,29 @@ BLOCK = 4096  # int32 a load round
 
 
 @triton.jit
+def _slice(n, pid, nprog, BLOCK: tl.constexpr):
+    """[lo, hi): program pid's share of n values, whole BLOCKs (empty past the end)."""
+    per = tl.cdiv(tl.cdiv(n, nprog), BLOCK) * BLOCK
+    lo = tl.minimum(pid * per, n)
+    return lo, tl.minimum(lo + per, n)
+
+
+@triton.jit
+def _prefetch_slice(buf, n, pid, nprog, BLOCK: tl.constexpr):
+    """Ask L2 for program pid's share of buf (n int32)."""
+    lo, hi = _slice(n, pid, nprog, BLOCK)
+    if hi > lo:
+        prefetch_l2(buf + lo, (hi - lo) * 4, 1)
+
+
+@triton.jit
 def _phase_body(buf, n, prev, P_PREV, part, pid, nprog, BLOCK: tl.constexpr):
     """Program pid of nprog: read the previous phase's partials, then its slice of buf
     (n int32), store its partial."""
     dep = tl.load(prev + tl.arange(0, 1024), mask=tl.arange(0, 1024) < P_PREV, other=0,
                   cache_modifier=".cg")
     acc = tl.sum(dep, axis=0) & 1
-    per = tl.cdiv(tl.cdiv(n, nprog), BLOCK) * BLOCK
-    lo = pid * per
-    hi = tl.minimum(lo + per, n)
+    lo, hi = _slice(n, pid, nprog, BLOCK)
     for i in range(lo, hi, BLOCK):
         o = i + tl.arange(0, BLOCK)
         acc += tl.sum(tl.load(buf + o, mask=o < hi, other=0), axis=0)
@@ -74,11 +88,7 @@ def _phase_pdl_kernel(buf, n, prev, P_PREV, part, BLOCK: tl.constexpr, PDL: tl.c
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if PF:
-        per = tl.cdiv(tl.cdiv(n, nprog), BLOCK) * BLOCK
-        lo = tl.minimum(pid * per, n)
-        hi = tl.minimum(lo + per, n)
-        if hi > lo:
-            prefetch_l2(buf + lo, (hi - lo) * 4, 1)
+        _prefetch_slice(buf, n, pid, nprog, BLOCK)
     wait(PDL)
     _phase_body(buf, n, prev, P_PREV, part, pid, nprog, BLOCK)
 
@@ -99,13 +109,8 @@ def _persistent_kernel(bufs, sizes, may, parts, bar, NPH: tl.constexpr, PREFETCH
         if PREFETCH:
             if ph + 1 < NPH:
                 if tl.load(may + ph + 1) != 0:
-                    nb = tl.load(sizes + ph + 1)
-                    per = tl.cdiv(tl.cdiv(nb, nprog), BLOCK) * BLOCK
-                    lo = tl.minimum(pid * per, nb)
-                    hi = tl.minimum(lo + per, nb)
-                    nxt = tl.load(bufs + ph + 1).to(tl.pointer_type(tl.int32))
-                    if hi > lo:
-                        prefetch_l2(nxt + lo, (hi - lo) * 4, 1)
+                    _prefetch_slice(tl.load(bufs + ph + 1).to(tl.pointer_type(tl.int32)),
+                                    tl.load(sizes + ph + 1), pid, nprog, BLOCK)
         # grid barrier: count in, wait until every program of this phase has
         tl.debug_barrier()
         tl.atomic_add(bar, 1, sem="release")
