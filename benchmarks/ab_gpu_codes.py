@@ -22,12 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.bench_gpu_kernels import make_weight  # noqa: E402
+from benchmarks.bench_gpu_kernels import make_weight, random_bank  # noqa: E402
 from freetoken import kernels  # noqa: E402
 from freetoken.kernels import xq  # noqa: E402
 from freetoken.kernels.triton.linear import triton_linear  # noqa: E402
 from freetoken.kernels.triton.moe import fused_moe_triton  # noqa: E402
-from freetoken.moe.banks import ExpertBank  # noqa: E402
 
 SETS = 16  # weights / expert sets cycled per replay
 
@@ -89,9 +88,7 @@ def main() -> None:
                 ("codes + quant_a, down_sum", True, True, True),
                 ("codes + quant_a, per-route down", True, True, False))
     for fmt, e, inter in (("Q4_K", 128, 768), ("nvfp4", 128, 768), ("nvfp4", 256, 512)):
-        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, 2048)),
-                          make_weight(fmt, (e, 2048, inter)),
-                          torch.rand(e, 4, device="cuda") + 0.5)
+        bank = random_bank(fmt, e, 2048, inter)
         for t in (1, 4, 16):
             ids = [torch.stack([torch.randperm(e, device="cuda")[:8] for _ in range(t)])
                    for _ in range(SETS)]

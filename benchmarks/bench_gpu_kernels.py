@@ -69,6 +69,13 @@ def make_weight(fmt: str, shape: tuple[int, ...]) -> QuantWeight:
     return split_q8_0(qw) if fmt == "Q8_0s" else qw
 
 
+def random_bank(fmt: str, e: int = 128, h: int = 2048, inter: int = 768) -> ExpertBank:
+    """A random MoE bank (make_weight's gate/up [e, 2 inter, h] and down [e, h, inter], scales
+    in [0.5, 1.5)), made on the device."""
+    return ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
+                      torch.rand(e, 4, device="cuda") + 0.5)
+
+
 def _median_ms(fn, reps: int = 5, calls: int = 20) -> float:
     times = []
     for _ in range(reps):
@@ -136,8 +143,7 @@ def bench_dense(fmt: str, tokens: list[int], hbm: float) -> None:
 
 def bench_moe(fmt: str, tokens: list[int], hbm: float, e: int = 128, h: int = 2048,
               inter: int = 768, topk: int = 8) -> None:
-    bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
-                      torch.rand(e, 4, device="cuda") + 0.5)
+    bank = random_bank(fmt, e, h, inter)
     per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
     emap = torch.arange(e, dtype=torch.int32, device="cuda")  # the slot indirection, identity
     for t in tokens:
@@ -218,8 +224,7 @@ def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int =
     from freetoken.kernels.triton.moe import fused_moe_triton
 
     h, topk = 2048, 8
-    bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
-                      torch.rand(e, 4, device="cuda") + 0.5)
+    bank = random_bank(fmt, e, h, inter)
     per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
     dense = [(n, k, make_weight(fmt, (n, k))) for _, n, k in DENSE[:2]]
     fbk = 256 if fmt in ("Q4_K", "Q6_K") else 128
@@ -332,8 +337,7 @@ def bench_moe_grouped(tokens: tuple[int, ...] = (4, 8, 16), e: int = 128, h: int
     print(f"{'format':6s} {'T':>3s} {'experts':>7s} {'per-route us':>12s}  "
           + "  ".join(f"{str(gt):>20s}" for gt in GROUP_I8_SWEEP) + "   best (BT, BN, warps, BK)")
     for fmt in ("Q4_K", "nvfp4"):
-        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
-                          torch.rand(e, 4, device="cuda") + 0.5)
+        bank = random_bank(fmt, e, h, inter)
         emap = torch.arange(e, dtype=torch.int32, device="cuda")  # as the cache backends pass
         nw = torch.rand(h, device="cuda") + 0.5
         for t in tokens:
@@ -366,8 +370,7 @@ def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 
     print(f"{'format':6s} {'T':>3s} {'routing':9s} {'experts':>7s} {'routes':>6s} {'us':>7s} "
           f"{'TB/s of distinct bytes':>22s}")
     for fmt in ("Q4_K", "nvfp4"):
-        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
-                          torch.rand(e, 4, device="cuda") + 0.5)
+        bank = random_bank(fmt, e, h, inter)
         per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
         emap = torch.arange(e, dtype=torch.int32, device="cuda")
         nw = torch.rand(h, device="cuda") + 0.5
@@ -401,8 +404,7 @@ def profile_step_kernels(t: int, e: int = 128, h: int = 2048, inter: int = 768,
     from freetoken.kernels.triton.route import norm_gate_route_triton
 
     qkv, o = make_weight("Q8_0s", (5120, h)), make_weight("Q8_0s", (h, 4096))
-    bank = ExpertBank(make_weight("Q4_K", (e, 2 * inter, h)), make_weight("Q4_K", (e, h, inter)),
-                      torch.rand(e, 4, device="cuda") + 0.5)
+    bank = random_bank("Q4_K", e, h, inter)
     emap = torch.arange(e, dtype=torch.int32, device="cuda")
     nw = torch.rand(h, device="cuda") + 0.5
     gate = torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02

@@ -397,11 +397,10 @@ def _table(rows: dict[str, tuple[int, float]], host: dict[str, int], label: str,
 
 def kernel_ab() -> None:
     """Decode kernels now vs before (see the module docstring): us per call and GB/s."""
-    from bench_gpu_kernels import DENSE, make_weight, time_call
+    from bench_gpu_kernels import DENSE, make_weight, random_bank, time_call
 
     from freetoken.kernels.triton.linear import triton_linear
     from freetoken.kernels.triton.moe import fused_moe_triton
-    from freetoken.moe.banks import ExpertBank
 
     def row(label: str, fn, nbytes: float) -> None:
         _, g = time_call(fn)
@@ -414,8 +413,7 @@ def kernel_ab() -> None:
             row(f"{fmt} {name} {n}x{k}", lambda x=x, qw=qw: triton_linear(x, qw), qw.nbytes())
     e, h, inter, topk = 128, 2048, 768, 8
     for fmt in ("Q4_K", "nvfp4"):
-        bank = ExpertBank(make_weight(fmt, (e, 2 * inter, h)), make_weight(fmt, (e, h, inter)),
-                          torch.rand(e, 4, device="cuda") + 0.5)
+        bank = random_bank(fmt, e, h, inter)
         per_expert = (bank.w13.nbytes() + bank.w2.nbytes()) / e
         # 16 tokens: the per-route GEMV with 16 rows (rolled by default) at other unrolls
         for t, unrolls in ((1, (None, 1)), (16, (None, 2, 4))):
