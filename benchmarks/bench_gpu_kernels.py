@@ -637,6 +637,9 @@ def main() -> None:
                    help="pool sizes of --plan (default 1024,2560: the 35B's cache rates 0.1 "
                         "and 0.25)")
     a = p.parse_args()
+    if a.profile_step_kernels < 0:
+        p.error(f"--profile-step-kernels takes a token count of 1 or more (0: off), got "
+                f"{a.profile_step_kernels}")
     if a.plan_slots is not None and not a.plan:
         p.error("--plan-slots goes with --plan")
     if a.dense_gemm and (a.router or a.plan or a.sweep):

@@ -128,6 +128,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--per-sm", default="1,2", help="programs per SM of the persistent kernel")
     a = ap.parse_args()
+    per_sms = [int(x) for x in a.per_sm.split(",") if x.strip().isdigit() and int(x) > 0]
+    if a.layers < 1 or not per_sms or len(per_sms) != len(a.per_sm.split(",")):
+        ap.error(f"--layers takes 1 or more and --per-sm positive integers, got {a.layers} and "
+                 f"{a.per_sm!r}")
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     phases = PHASES * a.layers
@@ -175,7 +179,7 @@ def main() -> None:
     sizes = torch.tensor([b.numel() for b in bufs], dtype=torch.int32, device=dev)
     may = torch.tensor([int(m) for _, _, m in phases], dtype=torch.int32, device=dev)
     bar = torch.zeros(1, dtype=torch.int32, device=dev)
-    for per_sm in (int(x) for x in a.per_sm.split(",")):
+    for per_sm in per_sms:
         nprog = sms * per_sm
         rows.append((f"launches, {nprog} programs",
                      graph_ms(launches(lambda b, n=nprog: n))))
