@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# What bounds the fused decode on one GPU machine, in one command (about 5 minutes), each stage
-# time-limited and writing OUT_DIR/NAME.txt:
+# What bounds the fused decode on one GPU machine, in one command (its stages' time limits add
+# to 18 minutes), each stage writing OUT_DIR/NAME.txt:
 # 1. probe: one kernel's read floor and a batch-1 step's 288 dependent reads as launches, with
 #    PDL and as one persistent kernel (benchmarks/probe_persistent.py);
 # 2. routes: the per-route MoE at 1, 4 and 16 tokens over random, 8 shared and distinct
