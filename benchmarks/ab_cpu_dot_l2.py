@@ -1,10 +1,12 @@
 """A/B of the 1-core L2 dot per format (bench_cpu_dot_l2.py's figure), builds alternated.
 
-    python benchmarks/ab_cpu_dot_l2.py HEAD WORKTREE [--formats Q4_K,Q6_K,nvfp4] [--rounds 6]
+    python benchmarks/ab_cpu_dot_l2.py HEAD WORKTREE [--formats Q4_K,Q6_K,nvfp4] [--rounds 6] \
+        [--k 2048,768]
 
 Builds each variant's extension as ab_cpu_moe.py does (a git revision, or WORKTREE), then runs
 one child process per variant per round, the order reversed every other round, each measuring
-cpu_bench.dot_l2 (a ~1 MiB matrix, K = 2048, one token, one core) for every format. On a shared
+cpu_bench.dot_l2 (a ~1 MiB matrix, K = 2048 or each of --k, one token, one core) for every
+format. On a shared
 machine figures measured minutes apart differ by 10-20%; alternated rounds compare the builds
 under the same conditions. The table: best / median over the rounds of each round's best and
 median GB/s.
@@ -22,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def child(so_dir: str, formats: list[str], isa: str | None) -> dict:
+def child(so_dir: str, formats: list[str], isa: str | None, ks: list[int]) -> dict:
     from ab_cpu_moe import use_build
 
     use_build(so_dir)
@@ -32,8 +34,10 @@ def child(so_dir: str, formats: list[str], isa: str | None) -> dict:
     ex = CpuMoeExecutor(1, isa=isa)
     out = {}
     for fmt in formats:
-        best, median = cb.dot_l2(ex, fmt)
-        out[f"{fmt} best"], out[f"{fmt} median"] = best, median
+        for k in ks:
+            best, median = cb.dot_l2(ex, fmt, k)
+            name = fmt if ks == [2048] else f"{fmt} K={k}"
+            out[f"{name} best"], out[f"{name} median"] = best, median
     return out
 
 
@@ -43,11 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="Q4_K,Q6_K,nvfp4")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--isa", default=None)
+    ap.add_argument("--k", default="2048", help="comma-separated row lengths (multiples of 256)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     formats = args.formats.split(",")
+    try:
+        ks = [int(k) for k in args.k.split(",")]
+    except ValueError:
+        ks = []
+    if not ks or any(k <= 0 or k % 256 for k in ks):
+        ap.error(f"--k: comma-separated positive multiples of 256, got {args.k!r}")
     if args.child:
-        print(json.dumps(child(args.child, formats, args.isa)))
+        print(json.dumps(child(args.child, formats, args.isa, ks)))
         return 0
     if len(args.variants) < 2:
         ap.error("give at least two variants")
@@ -55,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="ab_cpu_dot_l2_"))
     dirs = {v: build(v.split(":")[0], work) for v in args.variants}
-    extra = ["--formats", args.formats] + (["--isa", args.isa] if args.isa else [])
+    extra = (["--formats", args.formats, "--k", args.k]
+             + (["--isa", args.isa] if args.isa else []))
     res = alternated(__file__, args.variants, dirs, extra, args.rounds)
     if res is None:
         return 1

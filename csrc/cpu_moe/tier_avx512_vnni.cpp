@@ -214,9 +214,11 @@ struct Q4KLanes {
   accm = _mm512_fmadd_ps(fz, sa2, accm);
 }
 
-static inline float q4k_lane_sum(__m512 acc, __m512 accm) {
-  return _mm512_reduce_add_ps(acc) - k_mins_sum(accm);
-}
+// A row's sum: acc's 16 lanes less the mins (lanes 8-15 of accm; its lanes 0-7 stay 0), as one
+// vector through sum1 / sum4's tree (nvfp4_dot512.h): a subtraction a row where a second
+// horizontal sum took about six instructions, and four rows reduced together where their
+// rows are (K = 768, the 30B shape's down: three super-blocks a row).
+static inline __m512 q4k_lane_total(__m512 acc, __m512 accm) { return _mm512_sub_ps(acc, accm); }
 
 // R rows (`rb` bytes apart) against one token, res[i] for row i; the activations' scales and
 // sums and the rows' headers (KHeaders) once per super-block for the R rows.
@@ -242,8 +244,13 @@ static inline void q4k_lanes_rows1(const uint8_t* row0, int64_t rb, int64_t K, c
       q4k_lane_step(P, hd.factors(r), A + b * 256, dah, sa2, c, acc[r], accm[r]);
     }
   }
+  if constexpr (R == 4) {
+    _mm_storeu_ps(res, dot512::sum4(q4k_lane_total(acc[0], accm[0]), q4k_lane_total(acc[1], accm[1]),
+                            q4k_lane_total(acc[2], accm[2]), q4k_lane_total(acc[3], accm[3])));
+  } else {
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) res[r] = q4k_lane_sum(acc[r], accm[r]);
+    for (int r = 0; r < R; ++r) res[r] = dot512::sum1(q4k_lane_total(acc[r], accm[r]));
+  }
 }
 
 // One row against NT tokens; res[t * os]: each row's codes and factors once for the tokens.
@@ -267,7 +274,14 @@ static inline void q4k_lanes_row(const uint8_t* row, int64_t K, const uint8_t* c
                     acc[t], accm[t]);
     }
   }
-  for (int t = 0; t < NT; ++t) res[t * os] = q4k_lane_sum(acc[t], accm[t]);
+  if constexpr (NT == 4) {
+    alignas(16) float r4[4];
+    _mm_store_ps(r4, dot512::sum4(q4k_lane_total(acc[0], accm[0]), q4k_lane_total(acc[1], accm[1]),
+                          q4k_lane_total(acc[2], accm[2]), q4k_lane_total(acc[3], accm[3])));
+    for (int t = 0; t < 4; ++t) res[t * os] = r4[t];
+  } else {
+    for (int t = 0; t < NT; ++t) res[t * os] = dot512::sum1(q4k_lane_total(acc[t], accm[t]));
+  }
 }
 
 struct Q4KRow {

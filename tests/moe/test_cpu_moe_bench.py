@@ -39,17 +39,21 @@ def test_bench_cpu_moe_small(monkeypatch, tmp_path, capsys):
 
 
 def test_dot_l2_per_format(monkeypatch):
-    """cpu_bench.dot_l2 (benchmarks/bench_cpu_dot_l2.py) for every format it sizes: best >=
-    median > 0; another format is refused by name."""
+    """cpu_bench.dot_l2 (benchmarks/bench_cpu_dot_l2.py) for every format it sizes, at K = 2048
+    and at short rows (K = 768): best >= median > 0; another format, or a K that is not whole
+    super-blocks, is refused by name."""
     from freetoken.moe.cpu_executor import CpuMoeExecutor
 
     monkeypatch.setattr(cpu_bench, "L2_TRIALS", 5)
     ex = CpuMoeExecutor(1)
     for fmt in cpu_bench.L2_ROWS:
-        best, median = cpu_bench.dot_l2(ex, fmt)
-        assert best >= median > 0, fmt
+        for K in (2048, 768):
+            best, median = cpu_bench.dot_l2(ex, fmt, K)
+            assert best >= median > 0, (fmt, K)
     with pytest.raises(ValueError, match="Q2_K"):
         cpu_bench.dot_l2(ex, "Q2_K")
+    with pytest.raises(ValueError, match="K must be a positive multiple of 256, got 300"):
+        cpu_bench.dot_l2(ex, "Q4_K", 300)
 
 
 def test_bench_needs_a_name(capsys):
