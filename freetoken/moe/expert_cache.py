@@ -97,8 +97,11 @@ class ExpertCache:
     def executor(self):
         """The CPU executor, started on first use (a persistent thread pool)."""
         if self._executor is None:
-            from freetoken.moe.cpu_executor import CpuMoeExecutor
+            from freetoken.moe.cpu_executor import CpuMoeExecutor, crowding
 
+            why = crowding(self._cpu_threads) if self.device.type == "cuda" else None
+            if why:
+                logger.warning(why)
             self._executor = CpuMoeExecutor(self._cpu_threads)
             logger.info("CPU MoE executor: %s", self._executor)
         return self._executor

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from cpu_moe_cases import random_nvfp4
 
-from freetoken.moe.cpu_executor import CpuMoeExecutor
+from freetoken.moe.cpu_executor import CpuMoeExecutor, crowding
 
 
 def case():
@@ -59,3 +59,16 @@ def test_sleeping_workers_wake_for_every_call(tmp_path: Path):
     assert got.shape[0] == 80
     for i in range(got.shape[0]):
         assert torch.equal(got[i], want), f"call {i}"
+
+
+def test_threads_on_every_core_beside_a_gpu_are_named():
+    """crowding: executor threads on every physical core (beside a GPU, where the hand-off
+    worker and the host thread need one) get a message naming the flag, the cores and the
+    default; fewer, or the default (None), get none."""
+    assert crowding(None, cores=16) is None
+    assert crowding(15, cores=16) is None
+    why = crowding(16, cores=16)
+    assert why is not None
+    assert "--moe-cpu-threads 16" in why and "16 physical cores" in why
+    assert "the default, 15," in why
+    assert "the default, 1," in crowding(2, cores=1)
