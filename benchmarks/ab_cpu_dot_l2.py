@@ -6,10 +6,9 @@
 Builds each variant's extension as ab_cpu_moe.py does (a git revision, or WORKTREE), then runs
 one child process per variant per round, the order reversed every other round, each measuring
 cpu_bench.dot_l2 (a ~1 MiB matrix, K = 2048 or each of --k, one token, one core) for every
-format. On a shared
-machine figures measured minutes apart differ by 10-20%; alternated rounds compare the builds
-under the same conditions. The table: best / median over the rounds of each round's best and
-median GB/s.
+format. On a shared machine figures measured minutes apart differ by 10-20%; alternated rounds
+compare the builds under the same conditions. The table: best / median over the rounds of each
+round's best and median GB/s.
 """
 
 from __future__ import annotations
@@ -51,12 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     formats = args.formats.split(",")
+    from freetoken.moe.cpu_bench import check_l2_k
+
     try:
         ks = [int(k) for k in args.k.split(",")]
-    except ValueError:
-        ks = []
-    if not ks or any(k <= 0 or k % 256 for k in ks):
-        ap.error(f"--k: comma-separated positive multiples of 256, got {args.k!r}")
+        for k in ks:
+            check_l2_k(k)
+    except ValueError as e:
+        ap.error(f"--k {args.k!r}: comma-separated multiples of 256 ({e})")
     if args.child:
         print(json.dumps(child(args.child, formats, args.isa, ks)))
         return 0

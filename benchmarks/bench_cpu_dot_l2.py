@@ -25,8 +25,10 @@ def main() -> int:
     p.add_argument("--isa", default=None, help="executor tier (default: the best this CPU has)")
     p.add_argument("--k", type=int, default=2048, help="values a row (a multiple of 256)")
     a = p.parse_args()
-    if a.k <= 0 or a.k % 256:
-        p.error(f"--k: a positive multiple of 256, got {a.k}")
+    try:
+        cpu_bench.check_l2_k(a.k)
+    except ValueError as e:
+        p.error(f"--k: {e}")
     formats = a.formats.split(",")
     for fmt in formats:
         if fmt not in cpu_bench.L2_ROWS:

@@ -219,6 +219,10 @@ struct Q4KLanes {
 // horizontal sum took about six instructions, and four rows reduced together where their
 // rows are (K = 768, the 30B shape's down: three super-blocks a row).
 static inline __m512 q4k_lane_total(__m512 acc, __m512 accm) { return _mm512_sub_ps(acc, accm); }
+static inline __m128 q4k_lane_totals4(const __m512 acc[4], const __m512 accm[4]) {
+  return dot512::sum4(q4k_lane_total(acc[0], accm[0]), q4k_lane_total(acc[1], accm[1]),
+                      q4k_lane_total(acc[2], accm[2]), q4k_lane_total(acc[3], accm[3]));
+}
 
 // R rows (`rb` bytes apart) against one token, res[i] for row i; the activations' scales and
 // sums and the rows' headers (KHeaders) once per super-block for the R rows.
@@ -245,8 +249,7 @@ static inline void q4k_lanes_rows1(const uint8_t* row0, int64_t rb, int64_t K, c
     }
   }
   if constexpr (R == 4) {
-    _mm_storeu_ps(res, dot512::sum4(q4k_lane_total(acc[0], accm[0]), q4k_lane_total(acc[1], accm[1]),
-                            q4k_lane_total(acc[2], accm[2]), q4k_lane_total(acc[3], accm[3])));
+    _mm_storeu_ps(res, q4k_lane_totals4(acc, accm));
   } else {
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) res[r] = dot512::sum1(q4k_lane_total(acc[r], accm[r]));
@@ -276,8 +279,7 @@ static inline void q4k_lanes_row(const uint8_t* row, int64_t K, const uint8_t* c
   }
   if constexpr (NT == 4) {
     alignas(16) float r4[4];
-    _mm_store_ps(r4, dot512::sum4(q4k_lane_total(acc[0], accm[0]), q4k_lane_total(acc[1], accm[1]),
-                          q4k_lane_total(acc[2], accm[2]), q4k_lane_total(acc[3], accm[3])));
+    _mm_store_ps(r4, q4k_lane_totals4(acc, accm));
     for (int t = 0; t < 4; ++t) res[t * os] = r4[t];
   } else {
     for (int t = 0; t < NT; ++t) res[t * os] = dot512::sum1(q4k_lane_total(acc[t], accm[t]));

@@ -237,14 +237,19 @@ def paired(run, ceil: Ceiling, runs: int) -> Figure:
 L2_ROWS = {"nvfp4": 896, "Q4_K": 896, "Q5_K": 768, "Q6_K": 640, "Q8_0": 480}
 
 
+def check_l2_k(K: int) -> None:
+    """A row length dot_l2 takes: whole super-blocks of 256 (every format's block tiles it)."""
+    if K <= 0 or K % 256:
+        raise ValueError(f"dot_l2: K must be a positive multiple of 256, got {K}")
+
+
 def dot_l2(ex: CpuMoeExecutor, fmt: str = "nvfp4", K: int = 2048) -> tuple[float, float]:
     """(best, median) GB/s of the 1-core L2 dot of one `fmt` matrix over L2_TRIALS short runs:
     rows of K values (a multiple of 256), as many as make L2_ROWS' bytes at K = 2048 (short rows
     show a kernel's cost per row: K = 768 is the 30B shape's down)."""
     if fmt not in L2_ROWS:
         raise ValueError(f"dot_l2: fmt must be one of {', '.join(L2_ROWS)}, got {fmt!r}")
-    if K <= 0 or K % 256:
-        raise ValueError(f"dot_l2: K must be a positive multiple of 256, got {K}")
+    check_l2_k(K)
     w = make_weights(fmt, 1, L2_ROWS[fmt] * 2048 // K, K, 7)
     x = torch.randn(K)
     bank = make_bank(w, "w")

@@ -130,9 +130,10 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
-def default_threads() -> int:
-    """Physical cores minus one (one is left to the Python / GPU driver thread), at least 1."""
-    return max(1, physical_cores() - 1)
+def default_threads(cores: int | None = None) -> int:
+    """Physical cores minus one (one is left to the Python / GPU driver thread), at least 1;
+    `cores`: that count instead of this machine's."""
+    return max(1, (physical_cores() if cores is None else cores) - 1)
 
 
 def crowding(threads: int | None, cores: int | None = None) -> str | None:
@@ -149,7 +150,7 @@ def crowding(threads: int | None, cores: int | None = None) -> str | None:
     return (f"--moe-cpu-threads {threads}: this machine has {cores} physical cores, so the "
             "CPU MoE executor leaves none to the hand-off worker and the host thread, and they "
             "preempt its threads every step (decode measured 2-30x slower); the default, "
-            f"{max(1, cores - 1)}, leaves one")
+            f"{default_threads(cores)}, leaves one")
 
 
 def _need(cond: bool, msg: str) -> None:
