@@ -469,6 +469,32 @@ def bench_router(e: int = 128, h: int = 2048) -> None:
         print(f"router {t:2d} tokens: " + " | ".join(cells), flush=True)
 
 
+def bench_norm_router(e: int = 128, h: int = 2048, layers: int = 160) -> None:
+    """The fused post-attention RMSNorm + router (`norm_gate_route_triton`) at 1, 4 and 16
+    tokens for (experts, warps) per program, the 30B shape's router (128 x 2048 bf16); each
+    call reads another of `layers` router weights (80 MB at the defaults: more than L2 holds,
+    so the weight comes from HBM as in a decode step). us per call, replayed from a graph."""
+    import itertools
+
+    from freetoken.kernels.triton.route import NORM_ROUTE_TILES, norm_gate_route_triton
+
+    gates = [torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
+             for _ in range(layers)]
+    nw = torch.rand(h, device="cuda") + 0.5
+    for t in (1, 4, 16):
+        xr = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        res = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+        cells = []
+        for be, w in ((2, 1), (1, 1), (4, 1), (1, 2), (2, 2), (4, 2), (8, 2), (2, 4), (4, 4),
+                      (8, 4), (16, 4), (16, 8)):
+            it = itertools.cycle(gates)
+            ms = graph_ms(lambda be=be, w=w, it=it, xr=xr, res=res: norm_gate_route_triton(
+                xr, res, nw, 1e-6, True, next(it), 8, False, True, None, be, w), calls=layers)
+            mark = "*" if (be, w) == NORM_ROUTE_TILES else ""
+            cells.append(f"{be}x{w}{mark} {ms * 1e3:.2f}")
+        print(f"norm+router {t:2d} tokens, us (BExWARPS): " + " | ".join(cells), flush=True)
+
+
 def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -> None:
     """The slot cache's plan at 1 and 4 tokens (Qwen3.6-35B-A3B's 256 experts top-8, a pool of
     `slots`, 1024 being its rate 0.1 and 2560 its 0.25; more layers than the pool holds, so
@@ -625,6 +651,8 @@ def main() -> None:
                    help="only run one 30B-shape layer's decode kernels at T tokens once, "
                         "between cudaProfilerStart and Stop (for ncu --profile-from-start off)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
+    p.add_argument("--norm-router", action="store_true",
+                   help="only time the fused RMSNorm + router's experts and warps per program")
     p.add_argument("--dense-gemm", action="store_true",
                    help="only time prefill's dense linears: tl.dot tiles against decoded rows "
                         "and torch's GEMM")
@@ -667,6 +695,9 @@ def main() -> None:
         return
     if a.router:
         bench_router()
+        return
+    if a.norm_router:
+        bench_norm_router()
         return
     if a.dense_gemm:
         bench_dense_gemm()

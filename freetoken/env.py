@@ -230,6 +230,26 @@ def _tiles(name: str) -> tuple[int, int, int] | None:
     return bn, bk, warps
 
 
+def gpu_norm_route_tiles() -> tuple[int, int] | None:
+    """FREETOKEN_GPU_NORM_ROUTE_TILES=BExWARPS (4x2, say): experts per program and warps per
+    program of the fused post-attention RMSNorm + MoE router at decode sizes
+    (`kernels/triton/route.py: norm_gate_route_triton`), for measuring end to end
+    (benchmarks/ab_env.py). Unset: the measured default. BE a power of two in 1-64, WARPS 1,
+    2, 4 or 8."""
+    v = os.environ.get("FREETOKEN_GPU_NORM_ROUTE_TILES", "").strip()
+    if not v:
+        return None
+    try:
+        be, warps = (int(p) for p in v.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"FREETOKEN_GPU_NORM_ROUTE_TILES={v!r} is not BExWARPS (two "
+                         "integers)") from None
+    if not (1 <= be <= 64 and be & (be - 1) == 0 and warps in (1, 2, 4, 8)):
+        raise ValueError(f"FREETOKEN_GPU_NORM_ROUTE_TILES={v!r}: BE must be a power of two in "
+                         "1-64, WARPS 1, 2, 4 or 8")
+    return be, warps
+
+
 def gpu_moe_grouped() -> tuple[int, int] | None:
     """FREETOKEN_GPU_MOE_GROUPED=LO-HI (5-16, say): the decode steps of LO to HI tokens at
     which the fused MoE runs its grouped int8 kernels (routes grouped by expert, each expert's

@@ -95,6 +95,21 @@ def test_moe_down_tiles(monkeypatch):
         env.gpu_moe_down_tiles()
 
 
+def test_norm_route_tiles(monkeypatch):
+    """FREETOKEN_GPU_NORM_ROUTE_TILES=BExWARPS: parsed and checked (a bad value names the
+    variable and what it must be); unset, the fused norm + router keeps its default."""
+    name = "FREETOKEN_GPU_NORM_ROUTE_TILES"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_norm_route_tiles() is None
+    monkeypatch.setenv(name, " 4x2 ")
+    assert env.gpu_norm_route_tiles() == (4, 2)
+    for bad, why in (("4", "two integers"), ("4x2x1", "two integers"), ("3x2", "power of two"),
+                     ("128x2", "1-64"), ("4x3", "WARPS")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}=.*{why}"):
+            env.gpu_norm_route_tiles()
+
+
 @pytest.mark.parametrize("name,read,unset,good,bad", [
     ("FREETOKEN_GPU_LINEAR_MT", env.gpu_linear_mt, None, ((" 8 ", 8), ("0", 0), ("16", 16)),
      (("17", "0 \\(off\\) to 16"), ("-1", "0 \\(off\\) to 16"), ("all", "not an integer"))),

@@ -189,11 +189,18 @@ def _norm64(x, r, nw, eps):
     return s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
 
 
-@pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", True)])
-def test_norm_gate_route_fp32(scoring: str, with_bias: bool) -> None:
+@pytest.mark.parametrize("scoring,with_bias,tiles", [("softmax", False, None),
+                                                     ("sigmoid", True, None),
+                                                     ("softmax", False, "8x4"),
+                                                     ("sigmoid", True, "1x2")])
+def test_norm_gate_route_fp32(scoring: str, with_bias: bool, tiles: str | None,
+                              monkeypatch) -> None:
     """fp32: s = x + residual exactly as torch adds, y within 1e-6 of float64 (a 96-term sum
     of squares in fp32), routes of y as `_check` bounds them (61 experts: a partial last block
-    of two; 96 wide: a masked row tail)."""
+    of two, or of five with 8 a program; 96 wide: a masked row tail); the same with other
+    experts and warps per program (FREETOKEN_GPU_NORM_ROUTE_TILES)."""
+    if tiles is not None:
+        monkeypatch.setenv("FREETOKEN_GPU_NORM_ROUTE_TILES", tiles)
     t, e, h, k, eps = 3, 61, 96, 4, 1e-6
     x, r, nw, gate = _norm_case(t, e, h, seed=31)
     bias = torch.rand(e, generator=torch.Generator().manual_seed(2)) * 0.01 if with_bias \

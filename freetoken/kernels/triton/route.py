@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken import env
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive
 from freetoken.kernels.triton.gemv_i8 import quant_store, xq_len
@@ -235,17 +236,24 @@ def gate_route_triton(x: torch.Tensor, gate: torch.Tensor, top_k: int, sigmoid: 
 
 
 NORM_ROUTE_MAX_H = 4096  # the fused norm + router keeps a whole row in each program
+# (experts, warps) per program of the fused norm + router: each program recomputes the
+# token's residual sum and RMSNorm from the whole row, then its experts' logits
+NORM_ROUTE_TILES = (2, 1)
 
 
 def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                            eps: float, quantize: bool, gate: torch.Tensor, top_k: int,
                            sigmoid: bool, renormalize: bool, bias: torch.Tensor | None,
-                           be: int = 2, warps: int = 1):
+                           be: int | None = None, warps: int | None = None):
     """The post-attention residual step and the MoE router in one launch: x, residual [T, H]
     (T <= GATE_TOKENS, H <= NORM_ROUTE_MAX_H, unit stride in H), norm_w fp32 [H], gate [E, H]
     in x's dtype -> (y = rms_norm(x + residual), x + residual, y's int8 codes with `quantize`
     else None, ids, weights): `rms_norm_triton`'s three outputs and `gate_route_triton`'s
-    routes of y. Checked by `freetoken.kernels.route.add_rms_norm_route`."""
+    routes of y. Checked by `freetoken.kernels.route.add_rms_norm_route`.
+    `be` experts and `warps` warps per program: FREETOKEN_GPU_NORM_ROUTE_TILES where not
+    given, else NORM_ROUTE_TILES."""
+    if be is None or warps is None:
+        be, warps = env.gpu_norm_route_tiles() or NORM_ROUTE_TILES
     t, h = x.shape
     e = gate.shape[0]
     y = torch.empty_like(x)
