@@ -471,12 +471,17 @@ def bench_router(e: int = 128, h: int = 2048) -> None:
 
 def bench_norm_router(e: int = 128, h: int = 2048, layers: int = 160) -> None:
     """The fused post-attention RMSNorm + router (`norm_gate_route_triton`) at 1, 4 and 16
-    tokens for (experts, warps) per program, the 30B shape's router (128 x 2048 bf16); each
+    tokens for (experts, warps) per program and split by hidden slices (values, warps), the
+    30B shape's router (128 x 2048 bf16); each
     call reads another of `layers` router weights (80 MB at the defaults: more than L2 holds,
     so the weight comes from HBM as in a decode step). us per call, replayed from a graph."""
     import itertools
 
-    from freetoken.kernels.triton.route import NORM_ROUTE_TILES, norm_gate_route_triton
+    from freetoken.kernels.triton.route import (
+        NORM_ROUTE_SPLIT,
+        NORM_ROUTE_TILES,
+        norm_gate_route_triton,
+    )
 
     gates = [torch.randn(e, h, device="cuda", dtype=torch.bfloat16) * 0.02
              for _ in range(layers)]
@@ -489,10 +494,22 @@ def bench_norm_router(e: int = 128, h: int = 2048, layers: int = 160) -> None:
                       (8, 4), (16, 4), (16, 8)):
             it = itertools.cycle(gates)
             ms = graph_ms(lambda be=be, w=w, it=it, xr=xr, res=res: norm_gate_route_triton(
-                xr, res, nw, 1e-6, True, next(it), 8, False, True, None, be, w), calls=layers)
-            mark = "*" if (be, w) == NORM_ROUTE_TILES else ""
+                xr, res, nw, 1e-6, True, next(it), 8, False, True, None, be, w, (0, 1)),
+                calls=layers)
+            mark = "*" if (be, w) == NORM_ROUTE_TILES and not NORM_ROUTE_SPLIT[0] else ""
             cells.append(f"{be}x{w}{mark} {ms * 1e3:.2f}")
         print(f"norm+router {t:2d} tokens, us (BExWARPS): " + " | ".join(cells), flush=True)
+        cells = []
+        for split in ((32, 2), (64, 2), (64, 4), (128, 4), (128, 8), (256, 4), (256, 8),
+                      (512, 8)):
+            it = itertools.cycle(gates)
+            ms = graph_ms(lambda split=split, it=it, xr=xr, res=res: norm_gate_route_triton(
+                xr, res, nw, 1e-6, True, next(it), 8, False, True, None, split=split),
+                calls=layers)
+            mark = "*" if split == NORM_ROUTE_SPLIT else ""
+            cells.append(f"{split[0]}x{split[1]}{mark} {ms * 1e3:.2f}")
+        print(f"norm+router {t:2d} tokens, us (split BHxWARPS): " + " | ".join(cells),
+              flush=True)
 
 
 def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -> None:

@@ -250,6 +250,28 @@ def gpu_norm_route_tiles() -> tuple[int, int] | None:
     return be, warps
 
 
+def gpu_norm_route_split() -> tuple[int, int] | None:
+    """FREETOKEN_GPU_NORM_ROUTE_SPLIT=BHxWARPS (128x4, say): the fused post-attention RMSNorm +
+    MoE router split by hidden slices of BH values a program instead of by experts
+    (`kernels/triton/route.py: _norm_gate_route_split_kernel`), for measuring end to end; 0:
+    the expert split. Unset: the measured default. BH a power of two in 32-4096, WARPS 1, 2,
+    4 or 8."""
+    name = "FREETOKEN_GPU_NORM_ROUTE_SPLIT"
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    if v == "0":
+        return 0, 1
+    try:
+        bh, warps = (int(p) for p in v.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not BHxWARPS (two integers) or 0") from None
+    if not (32 <= bh <= 4096 and bh & (bh - 1) == 0 and warps in (1, 2, 4, 8)):
+        raise ValueError(f"{name}={v!r}: BH must be a power of two in 32-4096, WARPS 1, 2, 4 "
+                         "or 8")
+    return bh, warps
+
+
 def gpu_moe_grouped() -> tuple[int, int] | None:
     """FREETOKEN_GPU_MOE_GROUPED=LO-HI (5-16, say): the decode steps of LO to HI tokens at
     which the fused MoE runs its grouped int8 kernels (routes grouped by expert, each expert's

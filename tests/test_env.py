@@ -110,6 +110,22 @@ def test_norm_route_tiles(monkeypatch):
             env.gpu_norm_route_tiles()
 
 
+def test_norm_route_split(monkeypatch):
+    """FREETOKEN_GPU_NORM_ROUTE_SPLIT=BHxWARPS or 0: parsed and checked."""
+    name = "FREETOKEN_GPU_NORM_ROUTE_SPLIT"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_norm_route_split() is None
+    monkeypatch.setenv(name, "128x4")
+    assert env.gpu_norm_route_split() == (128, 4)
+    monkeypatch.setenv(name, "0")
+    assert env.gpu_norm_route_split() == (0, 1)
+    for bad, why in (("128", "two integers"), ("96x4", "power of two"), ("16x4", "32-4096"),
+                     ("128x3", "WARPS")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}=.*{why}"):
+            env.gpu_norm_route_split()
+
+
 @pytest.mark.parametrize("name,read,unset,good,bad", [
     ("FREETOKEN_GPU_LINEAR_MT", env.gpu_linear_mt, None, ((" 8 ", 8), ("0", 0), ("16", 16)),
      (("17", "0 \\(off\\) to 16"), ("-1", "0 \\(off\\) to 16"), ("all", "not an integer"))),

@@ -174,6 +174,62 @@ def _norm_gate_route_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, lo
                      SIGMOID, HAS_BIAS, RENORM, TOPK, BLOCK_E, BLOCK_K)
 
 
+@triton.jit
+def _norm_gate_route_split_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, part_ptr,
+                                  count_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_x, stride_r,
+                                  stride_y, stride_s, stride_q, stride_g, eps,
+                                  H: tl.constexpr, QUANT: tl.constexpr,
+                                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  RENORM: tl.constexpr, TOPK: tl.constexpr,
+                                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  BH: tl.constexpr, P: tl.constexpr, PP: tl.constexpr,
+                                  BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (t, p): the same residual step and routes as `_norm_gate_route_kernel`, split
+    by hidden slices instead of experts: the row's sum of squares (every program, from the
+    whole row: the same inv), then s, y and y's codes of values [p BH, (p + 1) BH) stored,
+    and every expert's partial logit over the slice into part [T, PP, BLOCK_E] (fp32, PP the
+    power of two from P); the
+    token's last program adds the P partials in slice order (fixed: deterministic) and routes
+    the token. A program reads a slice of every router row where the expert split reads
+    whole rows, and its warps share the row's norm instead of each program redoing it in one."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    k = p * BH + tl.arange(0, BH)
+    k_ok = k < H
+    # the router's slice first: no kernel writes it, its loads overlap the wait
+    g = tl.load(g_ptr + e[:, None].to(tl.int64) * stride_g + k[None, :],
+                mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+    wait(PDL)  # pdl.py: the kernel before has completed
+    cols = tl.arange(0, BLOCK_H)
+    ok = cols < H
+    x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
+    r = tl.load(r_ptr + t * stride_r + cols, mask=ok, other=0.0)
+    xf = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    xs = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
+    rs = tl.load(r_ptr + t * stride_r + k, mask=k_ok, other=0.0)
+    xs = (xs.to(tl.float32) + rs.to(tl.float32)).to(xs.dtype)  # rounded as torch's add
+    nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
+    y = (xs.to(tl.float32) * inv * nw).to(y_ptr.dtype.element_ty)
+    tl.store(s_ptr + t * stride_s + k, xs, mask=k_ok)
+    tl.store(y_ptr + t * stride_y + k, y, mask=k_ok)
+    if QUANT:  # the int8 GEMVs' activation, this slice's blocks of it
+        quant_store(tl.reshape(y.to(tl.float32), (1, BH)), q_ptr + t * stride_q, p * BH,
+                    tl.arange(0, 1) < 1, H)
+    part = tl.sum(g.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+    tl.store(part_ptr + (t * PP + p) * BLOCK_E + e, part)
+    if last_to_arrive(count_ptr + t, P):
+        pp = tl.arange(0, PP)
+        parts = tl.load(part_ptr + (t * PP + pp)[:, None] * BLOCK_E + e[None, :],
+                        mask=(pp < P)[:, None], other=0.0,
+                        cache_modifier=".cg")  # from L2: other SMs wrote them
+        logit = tl.sum(parts, axis=0).to(y_ptr.dtype.element_ty).to(tl.float32)
+        _route_row(tl.where(e_ok, logit, float("-inf")), e, e_ok, t, bias_ptr, ids_ptr, w_ptr,
+                   SIGMOID, HAS_BIAS, RENORM, TOPK, BLOCK_E, BLOCK_K)
+
+
 def _outputs(t: int, top_k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty((t, top_k), dtype=torch.int64, device=device),
             torch.empty((t, top_k), dtype=torch.float32, device=device))
@@ -239,19 +295,27 @@ NORM_ROUTE_MAX_H = 4096  # the fused norm + router keeps a whole row in each pro
 # (experts, warps) per program of the fused norm + router: each program recomputes the
 # token's residual sum and RMSNorm from the whole row, then its experts' logits
 NORM_ROUTE_TILES = (2, 1)
+# (hidden values, warps) per program of the split form (`_norm_gate_route_split_kernel`);
+# 0: the expert split above
+NORM_ROUTE_SPLIT = (0, 4)
 
 
 def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
                            eps: float, quantize: bool, gate: torch.Tensor, top_k: int,
                            sigmoid: bool, renormalize: bool, bias: torch.Tensor | None,
-                           be: int | None = None, warps: int | None = None):
+                           be: int | None = None, warps: int | None = None,
+                           split: tuple[int, int] | None = None):
     """The post-attention residual step and the MoE router in one launch: x, residual [T, H]
     (T <= GATE_TOKENS, H <= NORM_ROUTE_MAX_H, unit stride in H), norm_w fp32 [H], gate [E, H]
     in x's dtype -> (y = rms_norm(x + residual), x + residual, y's int8 codes with `quantize`
     else None, ids, weights): `rms_norm_triton`'s three outputs and `gate_route_triton`'s
     routes of y. Checked by `freetoken.kernels.route.add_rms_norm_route`.
     `be` experts and `warps` warps per program: FREETOKEN_GPU_NORM_ROUTE_TILES where not
-    given, else NORM_ROUTE_TILES."""
+    given, else NORM_ROUTE_TILES. `split` (BH, warps): programs by hidden slices of BH values
+    instead (`_norm_gate_route_split_kernel`; FREETOKEN_GPU_NORM_ROUTE_SPLIT where not given,
+    else NORM_ROUTE_SPLIT; BH a power of two from 32, 0: off)."""
+    if split is None:
+        split = env.gpu_norm_route_split() or NORM_ROUTE_SPLIT
     if be is None or warps is None:
         be, warps = env.gpu_norm_route_tiles() or NORM_ROUTE_TILES
     t, h = x.shape
@@ -265,8 +329,23 @@ def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torc
     if quantize and h % 32:
         raise ValueError(f"norm_gate_route: quantize needs a width that is a multiple of 32, "
                          f"got {h}")
-    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     q_ = q if q is not None else y
+    block_e = triton.next_power_of_2(e)
+    if split[0]:
+        bh = min(split[0], triton.next_power_of_2(h))
+        n_p = triton.cdiv(h, bh)
+        parts = torch.empty((t, triton.next_power_of_2(n_p), block_e), dtype=torch.float32,
+                            device=x.device)
+        _norm_gate_route_split_kernel[(t, n_p)](
+            x, residual, norm_w, y, s, q_, gate, parts, _counts(x.device),
+            bias if bias is not None else parts, ids, w, e, x.stride(0), residual.stride(0),
+            y.stride(0), s.stride(0), q_.stride(0), gate.stride(0), float(eps), H=h,
+            QUANT=quantize, SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renormalize,
+            TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), BH=bh, P=n_p,
+            PP=parts.shape[1], BLOCK_H=triton.next_power_of_2(h), num_warps=split[1], **pdl.opts(),
+            enable_fp_fusion=False)
+        return y, s, q, ids, w
+    logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
     _norm_gate_route_kernel[(t, triton.cdiv(e, be))](
         x, residual, norm_w, y, s, q_, gate, logits, _counts(x.device),
         bias if bias is not None else logits, ids, w, e, x.stride(0), residual.stride(0),
