@@ -469,6 +469,68 @@ def bench_router(e: int = 128, h: int = 2048) -> None:
         print(f"router {t:2d} tokens: " + " | ".join(cells), flush=True)
 
 
+def cycled_ms(fns: list) -> float:
+    """ms per call of a list of calls (each on other weights), all captured in one CUDA graph
+    and replayed: with more bytes among them than L2 holds, each call reads from HBM as in a
+    decode step (graph_ms replays one call, whose weights stay in L2 once they fit)."""
+    import itertools
+
+    it = itertools.cycle(fns)
+    return graph_ms(lambda: next(it)(), calls=len(fns))
+
+
+def bench_hbm_tiles(fmt: str = "Q8_0s", total: int = 200 << 20) -> None:
+    """One-token tiles measured with the weights from HBM: the dense int8 GEMV (qkv, o_proj of
+    the 30B shape, `fmt`) and the Q4_K MoE layer (128 x 2048 x 768, top-8, other random
+    experts each call), each tile also timed L2-hot (one call replayed: how the --sweep
+    figures were taken). us per call; the default tiles marked *."""
+    from freetoken.kernels.triton.formats import format_id
+    from freetoken.kernels.triton.linear import _i8_blocks, triton_linear
+    from freetoken.kernels.triton.moe import _i8_tiles, fused_moe_triton
+
+    for name, n, k in DENSE[:2]:
+        w0 = make_weight(fmt, (n, k))
+        ws = [w0] + [make_weight(fmt, (n, k)) for _ in range(max(1, total // w0.nbytes()))]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        default = _i8_blocks(1, n, k, format_id(w0))
+        cells = []
+        for bn, bk, warps in I8_TILES:
+            t = (1, bn, bk, warps)
+            try:
+                hot = graph_ms(lambda t=t, x=x, w0=w0: triton_linear(x, w0, t))
+                cold = cycled_ms([lambda w=w, t=t, x=x: triton_linear(x, w, t) for w in ws])
+            except Exception as e:  # noqa: BLE001 - one failing tile must not end the sweep
+                cells.append(f"{bn}x{bk}x{warps} failed: {type(e).__name__}")
+                continue
+            mark = "*" if default is not None and tuple(default[:4]) == t else ""
+            cells.append(f"{bn}x{bk}x{warps}{mark} {cold * 1e3:.2f} (hot {hot * 1e3:.2f})")
+        print(f"hbm {fmt} {name} {n}x{k} m=1, us HBM (L2-hot): " + " | ".join(cells),
+              flush=True)
+    e, h, inter, topk = 128, 2048, 768, 8
+    bank = random_bank("Q4_K", e, h, inter)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
+    idss = [torch.randperm(e, device="cuda")[:topk].view(1, topk) for _ in range(64)]
+    d13 = _i8_tiles(13, h, torch.bfloat16, None, 1)
+    cells = []
+    for bn, bk, warps in [(2, 1024, 1), (4, 1024, 2), (8, 1024, 4), (16, 1024, 4),
+                          (16, 512, 4), (32, 1024, 4), (32, 1024, 8), (16, 2048, 4),
+                          (8, 2048, 4), (16, 256, 4)]:
+        t = (1, bn, bk, warps)
+        try:
+            hot = graph_ms(lambda t=t: fused_moe_triton(x, bank, idss[0], w, "silu", None, t))
+            cold = cycled_ms([lambda i=i, t=t: fused_moe_triton(x, bank, i, w, "silu", None, t)
+                              for i in idss])
+        except Exception as ex:  # noqa: BLE001 - one failing tile must not end the sweep
+            cells.append(f"{bn}x{bk}x{warps} failed: {type(ex).__name__}")
+            continue
+        mark = "*" if d13 is not None and (bn, bk, warps) == d13[:3] else ""
+        cells.append(f"{bn}x{bk}x{warps}{mark} {cold * 1e3:.2f} (hot {hot * 1e3:.2f})")
+    cells.append(f"default {d13}")
+    print("hbm Q4_K MoE 128x2048x768 top-8 m=1, us HBM (L2-hot): " + " | ".join(cells),
+          flush=True)
+
+
 def bench_norm_router(e: int = 128, h: int = 2048, layers: int = 160) -> None:
     """The fused post-attention RMSNorm + router (`norm_gate_route_triton`) at 1, 4 and 16
     tokens for (experts, warps) per program and split by hidden slices (values, warps), the
@@ -668,6 +730,9 @@ def main() -> None:
                    help="only run one 30B-shape layer's decode kernels at T tokens once, "
                         "between cudaProfilerStart and Stop (for ncu --profile-from-start off)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
+    p.add_argument("--hbm-tiles", default=None, metavar="FMT",
+                   help="only time one-token tiles of the dense GEMV (FMT: Q8_0s, nvfp4, "
+                        "Q4_K) and the Q4_K MoE with weights from HBM and L2-hot")
     p.add_argument("--norm-router", action="store_true",
                    help="only time the fused RMSNorm + router's experts and warps per program")
     p.add_argument("--dense-gemm", action="store_true",
@@ -715,6 +780,9 @@ def main() -> None:
         return
     if a.norm_router:
         bench_norm_router()
+        return
+    if a.hbm_tiles:
+        bench_hbm_tiles(a.hbm_tiles)
         return
     if a.dense_gemm:
         bench_dense_gemm()

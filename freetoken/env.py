@@ -204,6 +204,14 @@ def gpu_moe_route_tiles() -> tuple[int, int, int] | None:
     return _tiles("FREETOKEN_GPU_MOE_ROUTE_TILES")
 
 
+def gpu_linear_tiles() -> tuple[int, int, int] | None:
+    """FREETOKEN_GPU_LINEAR_TILES=BNxBKxWARPS: the tiles of the dense int8 GEMV at one token
+    (`kernels/triton/linear.py: _i8_blocks`; BK at most, halved until it tiles K; not the
+    lm_head's), for measuring end to end (benchmarks/ab_env.py). Unset: the measured default.
+    The same form and bounds as FREETOKEN_GPU_MOE_ROUTE_TILES."""
+    return _tiles("FREETOKEN_GPU_LINEAR_TILES")
+
+
 def gpu_moe_down_tiles() -> tuple[int, int, int] | None:
     """FREETOKEN_GPU_MOE_DOWN_TILES=BNxBKxWARPS: the tiles of the fused MoE's per-route int8
     down GEMV at every decode size (1 to 16 tokens), over the default and

@@ -110,6 +110,25 @@ def test_norm_route_tiles(monkeypatch):
             env.gpu_norm_route_tiles()
 
 
+def test_linear_tiles(monkeypatch):
+    """FREETOKEN_GPU_LINEAR_TILES=BNxBKxWARPS: the dense int8 GEMV's tiles at one token take
+    it (BK halved until it tiles K), the lm_head's and several tokens' keep theirs."""
+    from freetoken.kernels.triton.linear import _i8_blocks
+
+    name = "FREETOKEN_GPU_LINEAR_TILES"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_linear_tiles() is None
+    assert _i8_blocks(1, 5120, 2048, 18) == (1, 8, 2048, 4)  # the measured default
+    monkeypatch.setenv(name, "4x1024x2")
+    assert env.gpu_linear_tiles() == (4, 1024, 2)
+    assert _i8_blocks(1, 5120, 2048, 18) == (1, 4, 1024, 2)
+    assert _i8_blocks(1, 2048, 768, 13) == (1, 4, 256, 2)  # Q4_K: whole super-blocks
+    assert _i8_blocks(1, 151936, 2048, 18) == (1, 16, 512, 4)  # the lm_head keeps its own
+    monkeypatch.setenv(name, "4x1024")
+    with pytest.raises(ValueError, match=f"{name}=.*three integers"):
+        env.gpu_linear_tiles()
+
+
 def test_norm_route_split(monkeypatch):
     """FREETOKEN_GPU_NORM_ROUTE_SPLIT=BHxWARPS or 0: parsed and checked."""
     name = "FREETOKEN_GPU_NORM_ROUTE_SPLIT"

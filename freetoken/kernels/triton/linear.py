@@ -235,7 +235,8 @@ def _i8_multi(fmt: int) -> int:
 def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, ...] | None:
     """(1, BN, BK, num_warps) of the int8 GEMV once per token (up to I8_TOKENS), (1, BN, BK,
     num_warps, MT) of several tokens a program (up to `_i8_multi`), or None: more tokens, or a K
-    that does not split into its chunks. Measured on the H200 at one token (bench_gpu_kernels.py
+    that does not split into its chunks. FREETOKEN_GPU_LINEAR_TILES sets one token's tiles
+    (not the lm_head's). Measured on the H200 at one token (bench_gpu_kernels.py
     --sweep nvfp4,Q4_K --sweep-tokens 1, chunks unrolled): 8 rows, chunks up to 2048, 4 warps:
     NVFP4 qkv 5120x2048 4.5 us (against 8.3 for the fp32 GEMV), o_proj 2048x4096 4.6 (7.4); Q4_K
     5.2 and 5.3. Four tokens of Q4_K: 2 rows, one warp (more programs; the rows' bytes stay in
@@ -247,9 +248,12 @@ def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, ...] | None:
         return None if bk is None else (1, bn, bk, warps, min(I8_MT_MAX, 1 << (m - 1).bit_length()))
     if m > I8_TOKENS.get(fmt, 0):
         return None
-    bk = i8_chunk(fmt, k, 2048)
+    own = env.gpu_linear_tiles() if m == 1 and n <= 65536 else None
+    bk = i8_chunk(fmt, k, 2048 if own is None else own[1])
     if bk is None:
         return None
+    if own is not None:
+        return 1, own[0], bk, own[2]
     if n > 65536:
         return 1, 16, min(bk, 512), 4
     if m > 1 and fmt == 13:
