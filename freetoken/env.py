@@ -242,8 +242,9 @@ def gpu_norm_route_tiles() -> tuple[int, int] | None:
     """FREETOKEN_GPU_NORM_ROUTE_TILES=BExWARPS (4x2, say): experts per program and warps per
     program of the fused post-attention RMSNorm + MoE router at decode sizes
     (`kernels/triton/route.py: norm_gate_route_triton`), for measuring end to end
-    (benchmarks/ab_env.py). Unset: the measured default. BE a power of two in 1-64, WARPS 1,
-    2, 4 or 8."""
+    (benchmarks/ab_env.py), where FREETOKEN_GPU_NORM_ROUTE_SPLIT=0 (else the programs split
+    the hidden size). Unset: the measured default. BE a power of two in 1-64, WARPS 1, 2, 4
+    or 8."""
     v = os.environ.get("FREETOKEN_GPU_NORM_ROUTE_TILES", "").strip()
     if not v:
         return None
@@ -262,7 +263,8 @@ def gpu_norm_route_split() -> tuple[int, int] | None:
     """FREETOKEN_GPU_NORM_ROUTE_SPLIT=BHxWARPS (128x4, say): the fused post-attention RMSNorm +
     MoE router split by hidden slices of BH values a program instead of by experts
     (`kernels/triton/route.py: _norm_gate_route_split_kernel`), for measuring end to end; 0:
-    the expert split. Unset: the measured default. BH a power of two in 32-4096, WARPS 1, 2,
+    the expert split (FREETOKEN_GPU_NORM_ROUTE_TILES). Unset: the measured default
+    (`route.NORM_ROUTE_SPLIT`, a split by slices). BH a power of two in 32-4096, WARPS 1, 2,
     4 or 8."""
     name = "FREETOKEN_GPU_NORM_ROUTE_SPLIT"
     v = os.environ.get(name, "").strip()

@@ -118,7 +118,8 @@ def test_linear_tiles(monkeypatch):
     name = "FREETOKEN_GPU_LINEAR_TILES"
     monkeypatch.delenv(name, raising=False)
     assert env.gpu_linear_tiles() is None
-    assert _i8_blocks(1, 5120, 2048, 18) == (1, 8, 2048, 4)  # the measured default
+    assert _i8_blocks(1, 5120, 2048, 18) == (1, 8, 2048, 8)  # the measured default
+    assert _i8_blocks(1, 5120, 2048, 1) == (1, 8, 2048, 4)
     monkeypatch.setenv(name, "4x1024x2")
     assert env.gpu_linear_tiles() == (4, 1024, 2)
     assert _i8_blocks(1, 5120, 2048, 18) == (1, 4, 1024, 2)

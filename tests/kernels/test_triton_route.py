@@ -191,17 +191,21 @@ def _norm64(x, r, nw, eps):
 
 @pytest.mark.parametrize("scoring,with_bias,switch,value", [
     ("softmax", False, None, None), ("sigmoid", True, None, None),
-    ("softmax", False, "TILES", "8x4"), ("sigmoid", True, "TILES", "1x2"),
-    ("softmax", False, "SPLIT", "32x4"), ("sigmoid", True, "SPLIT", "64x2")])
+    ("softmax", False, "SPLIT", "0"), ("softmax", False, "TILES", "8x4"),
+    ("sigmoid", True, "TILES", "1x2"), ("softmax", False, "SPLIT", "32x4"),
+    ("sigmoid", True, "SPLIT", "64x2")])
 def test_norm_gate_route_fp32(scoring: str, with_bias: bool, switch: str | None,
                               value: str | None, monkeypatch) -> None:
     """fp32: s = x + residual exactly as torch adds, y within 1e-6 of float64 (a 96-term sum
     of squares in fp32), routes of y as `_check` bounds them (61 experts: a partial last block
-    of two, or of five with 8 a program; 96 wide: a masked row tail); the same with other
-    experts and warps per program (FREETOKEN_GPU_NORM_ROUTE_TILES) and split by hidden slices
-    (FREETOKEN_GPU_NORM_ROUTE_SPLIT: three slices of 32, or a 64 and a partial one)."""
-    if switch is not None:
+    of two, or of five with 8 a program; 96 wide: a masked row tail): by default split by
+    hidden slices (two, of 64 and a partial one of 32), and the same with other slices
+    (FREETOKEN_GPU_NORM_ROUTE_SPLIT: three of 32) and with the expert split (=0) and its
+    experts and warps per program (FREETOKEN_GPU_NORM_ROUTE_TILES)."""
+    if switch is not None:  # the expert split's tiles apply with the hidden split off
         monkeypatch.setenv(f"FREETOKEN_GPU_NORM_ROUTE_{switch}", value)
+        if switch == "TILES":
+            monkeypatch.setenv("FREETOKEN_GPU_NORM_ROUTE_SPLIT", "0")
     t, e, h, k, eps = 3, 61, 96, 4, 1e-6
     x, r, nw, gate = _norm_case(t, e, h, seed=31)
     bias = torch.rand(e, generator=torch.Generator().manual_seed(2)) * 0.01 if with_bias \
@@ -218,7 +222,7 @@ def test_norm_gate_route_fp32(scoring: str, with_bias: bool, switch: str | None,
         _check(ids, w, want)
 
 
-@pytest.mark.parametrize("split", [None, "64x4"])
+@pytest.mark.parametrize("split", [None, "0"])
 def test_norm_gate_route_bf16_codes(split: str | None, monkeypatch) -> None:
     """bf16 as the models run it: s = x + residual rounded as torch rounds it, y within one
     bf16 unit of the float64 norm of that s (under the interpreter, which truncates to bf16,
@@ -227,7 +231,7 @@ def test_norm_gate_route_bf16_codes(split: str | None, monkeypatch) -> None:
     equal (neighbouring logits are 4 or more bf16 units apart), weights within 4% (a logit
     summed in fp32 may round to the bf16 neighbour of the float64 one: 1.6% per weight, see
     test_gate_topk_bf16_cuda)."""
-    if split is not None:  # split by hidden slices: four programs a token, codes by slice
+    if split is not None:  # the expert split (default: by hidden slices, codes by slice)
         monkeypatch.setenv("FREETOKEN_GPU_NORM_ROUTE_SPLIT", split)
     t, e, h, k, eps = 4, 128, 256, 8, 1e-6
     x, r, nw, gate = _norm_case(t, e, h, seed=7)

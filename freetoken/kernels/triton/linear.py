@@ -220,6 +220,13 @@ I8_TOKENS = {1: 4, 13: 4, 18: 1}
 # 2,328.0 (tl.dot tiles either way); up to 16 (other tiles) lost at 16 tokens: 2,342.5 ->
 # 2,055.6. Q4_K dense weights (not in the dummy models) are not measured: once per token.
 I8_MULTI_TOKENS = {1: 8, 18: 8}
+# Warps of the one-token int8 GEMV (8 rows, chunks up to 2048) by format, else 4. Measured on
+# an H100 with the weights from HBM (bench_gpu_kernels.py --hbm-tiles Q8_0s, 2026-12-07, us):
+# split Q8_0 qkv 5120 x 2048 6.34 -> 6.16, o_proj 2048 x 4096 6.52 -> 6.08 with 8 warps (the
+# other 12 tiles of the sweep slower; L2-hot, as earlier sweeps timed them, 3.98 -> 3.81 and
+# 4.29 -> 3.87); end to end with the norm + router split (route.NORM_ROUTE_SPLIT) 30B Q4_K
+# fused at batch 1 434.2 -> 441.7 tok/s. NVFP4 and Q4_K dense weights not measured so.
+I8_WARPS = {18: 8}
 I8_MULTI_TILES = {1: (16, 2048, 8), 13: (8, 2048, 4), 18: (8, 2048, 4)}
 # Tokens a program takes at most (the tokens' dots are unrolled: code size grows with it).
 I8_MT_MAX = 16
@@ -258,7 +265,7 @@ def _i8_blocks(m: int, n: int, k: int, fmt: int) -> tuple[int, ...] | None:
         return 1, 16, min(bk, 512), 4
     if m > 1 and fmt == 13:
         return 1, 2, min(bk, 1024), 1
-    return 1, 8, bk, 4
+    return 1, 8, bk, I8_WARPS.get(fmt, 4)
 
 
 def _blocks(m: int, n: int, k: int, fmt: int, dot: int) -> tuple[int, int, int, int]:

@@ -12,6 +12,10 @@ rounded to x's dtype as `F.linear` returns them): the experts are split over sev
 per token (one program reading the whole weight would take microseconds), and the last of a
 token's programs to finish (an atomic counter, which it resets for the next call: CUDA-graph
 safe) scores the token. One launch where the unfused path runs three (GEMM, cast, route).
+`norm_gate_route_triton` puts the post-attention residual step and RMSNorm in front; at decode
+its programs split the hidden size instead (each a slice of every router row, the partial
+logits added in slice order by the last), where each of the expert split's programs redid the
+whole row's norm.
 """
 
 from __future__ import annotations
@@ -295,9 +299,17 @@ NORM_ROUTE_MAX_H = 4096  # the fused norm + router keeps a whole row in each pro
 # (experts, warps) per program of the fused norm + router: each program recomputes the
 # token's residual sum and RMSNorm from the whole row, then its experts' logits
 NORM_ROUTE_TILES = (2, 1)
-# (hidden values, warps) per program of the split form (`_norm_gate_route_split_kernel`);
-# 0: the expert split above
-NORM_ROUTE_SPLIT = (0, 4)
+# (hidden values, warps) per program of the split form (`_norm_gate_route_split_kernel`), the
+# default at decode; 0: the expert split above. Measured on an H100 (2026-12-07,
+# bench_gpu_kernels.py --norm-router, 128 x 2048 bf16 router from HBM, us at 1 / 4 / 16
+# tokens): expert split 2 x 1 5.80 / 6.23 / 7.00 (the best other, 1 x 1, 5.56 / 5.96 / 9.13);
+# by slices 32 x 2 5.07 / 5.59 / 7.13, 64 x 4 5.11 / 5.31 / 6.57, 128 x 4 5.29 / 5.42 / 6.25.
+# Under ncu the expert split's one-warp programs held 255 registers and issued an instruction
+# every 5 cycles: each redid the whole row's norm in one warp. End to end (ab_env.py, 30B
+# Q4_K fused, H100, medians of 2 rounds): batch 1 425.1 -> 434.2 tok/s with 32 x 2; with
+# 64 x 4 and the dense GEMV's 8 warps (linear.py: I8_WARPS) 420.4 -> 439.2, batch 16 2,214.5
+# -> 2,209.8
+NORM_ROUTE_SPLIT = (64, 4)
 
 
 def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor,
