@@ -212,6 +212,14 @@ def gpu_linear_tiles() -> tuple[int, int, int] | None:
     return _tiles("FREETOKEN_GPU_LINEAR_TILES")
 
 
+def gpu_moe_one_tiles() -> tuple[int, int, int] | None:
+    """FREETOKEN_GPU_MOE_ONE_TILES=BNxBKxWARPS: the tiles of the fused MoE's per-route int8
+    GEMVs at one token (gate / up and down; BK at most, halved until it tiles K), for
+    measuring end to end (benchmarks/ab_env.py). Unset: the measured default. The same form
+    and bounds as FREETOKEN_GPU_MOE_ROUTE_TILES."""
+    return _tiles("FREETOKEN_GPU_MOE_ONE_TILES")
+
+
 def gpu_moe_down_tiles() -> tuple[int, int, int] | None:
     """FREETOKEN_GPU_MOE_DOWN_TILES=BNxBKxWARPS: the tiles of the fused MoE's per-route int8
     down GEMV at every decode size (1 to 16 tokens), over the default and

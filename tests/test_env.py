@@ -130,6 +130,25 @@ def test_linear_tiles(monkeypatch):
         env.gpu_linear_tiles()
 
 
+def test_moe_one_tiles(monkeypatch):
+    """FREETOKEN_GPU_MOE_ONE_TILES=BNxBKxWARPS: one token's per-route int8 tiles take it (BK
+    halved until it tiles K), two tokens and more keep theirs."""
+    from freetoken.kernels.triton.moe import _i8_tiles
+
+    name = "FREETOKEN_GPU_MOE_ONE_TILES"
+    monkeypatch.delenv(name, raising=False)
+    assert env.gpu_moe_one_tiles() is None
+    assert _i8_tiles(13, 2048, torch.bfloat16, None, 1) == (16, 1024, 4, True)
+    monkeypatch.setenv(name, "16x2048x4")
+    assert env.gpu_moe_one_tiles() == (16, 2048, 4)
+    assert _i8_tiles(13, 2048, torch.bfloat16, None, 1) == (16, 2048, 4, True)
+    assert _i8_tiles(13, 768, torch.bfloat16, None, 1) == (16, 256, 4, True)
+    assert _i8_tiles(13, 2048, torch.bfloat16, None, 4) == (64, 1024, 4, True)  # ROUTE_TILES
+    monkeypatch.setenv(name, "16x2048")
+    with pytest.raises(ValueError, match=f"{name}=.*three integers"):
+        env.gpu_moe_one_tiles()
+
+
 def test_norm_route_split(monkeypatch):
     """FREETOKEN_GPU_NORM_ROUTE_SPLIT=BHxWARPS or 0: parsed and checked."""
     name = "FREETOKEN_GPU_NORM_ROUTE_SPLIT"

@@ -484,7 +484,13 @@ def _i8_tiles(fmt: int, k: int, dtype: torch.dtype,
     # hidden-2048 row in one chunk, 15.7 us against 17.3 with 1024 (128 x 2048 x 768; 256 x
     # 2048 x 512 13.1 against 15.0); Q4_K lost with them (16.2 against 15.3: registers).
     # From 2 tokens (up to 16: above, tl.dot tiles): FREETOKEN_GPU_MOE_ROUTE_TILES, else
-    # ROUTE_TILES, stands in for `tiles` when it is not given.
+    # ROUTE_TILES, stands in for `tiles` when it is not given; at one token
+    # FREETOKEN_GPU_MOE_ONE_TILES. With the weights from HBM (bench_gpu_kernels.py --hbm-tiles,
+    # H100, 2026-12-07; the figures above replayed one call, its 8 experts in L2) one token of
+    # Q4_K took 17.43 us with these tiles, 16.55 with 2048-wide gate/up chunks (16 x 2048 x 4),
+    # 18.54 with 32 rows: not measured end to end yet.
+    if tiles is None and tokens == 1 and (one := env.gpu_moe_one_tiles()) is not None:
+        tiles = (1, *one)
     if tiles is None and tokens >= 2:
         chosen = env.gpu_moe_route_tiles() or ROUTE_TILES.get(fmt)
         if chosen is not None:
