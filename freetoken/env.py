@@ -253,41 +253,36 @@ def gpu_norm_route_tiles() -> tuple[int, int] | None:
     (benchmarks/ab_env.py), where FREETOKEN_GPU_NORM_ROUTE_SPLIT=0 (else the programs split
     the hidden size). Unset: the measured default. BE a power of two in 1-64, WARPS 1, 2, 4
     or 8."""
-    v = os.environ.get("FREETOKEN_GPU_NORM_ROUTE_TILES", "").strip()
-    if not v:
-        return None
-    try:
-        be, warps = (int(p) for p in v.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"FREETOKEN_GPU_NORM_ROUTE_TILES={v!r} is not BExWARPS (two "
-                         "integers)") from None
-    if not (1 <= be <= 64 and be & (be - 1) == 0 and warps in (1, 2, 4, 8)):
-        raise ValueError(f"FREETOKEN_GPU_NORM_ROUTE_TILES={v!r}: BE must be a power of two in "
-                         "1-64, WARPS 1, 2, 4 or 8")
-    return be, warps
+    return _size_warps("FREETOKEN_GPU_NORM_ROUTE_TILES", "BE", 1, 64)
 
 
 def gpu_norm_route_split() -> tuple[int, int] | None:
     """FREETOKEN_GPU_NORM_ROUTE_SPLIT=BHxWARPS (128x4, say): the fused post-attention RMSNorm +
     MoE router split by hidden slices of BH values a program instead of by experts
     (`kernels/triton/route.py: _norm_gate_route_split_kernel`), for measuring end to end; 0:
-    the expert split (FREETOKEN_GPU_NORM_ROUTE_TILES). Unset: the measured default
-    (`route.NORM_ROUTE_SPLIT`, a split by slices). BH a power of two in 32-4096, WARPS 1, 2,
-    4 or 8."""
+    the expert split (FREETOKEN_GPU_NORM_ROUTE_TILES), read as (0, 1). Unset: the measured
+    default (`route.NORM_ROUTE_SPLIT`, a split by slices). BH a power of two in 32-4096,
+    WARPS 1, 2, 4 or 8."""
     name = "FREETOKEN_GPU_NORM_ROUTE_SPLIT"
+    if os.environ.get(name, "").strip() == "0":
+        return 0, 1
+    return _size_warps(name, "BH", 32, 4096, " or 0")
+
+
+def _size_warps(name: str, size: str, lo: int, hi: int, alt: str = "") -> tuple[int, int] | None:
+    """SIZExWARPS from the variable `name`: SIZE a power of two in lo-hi, WARPS 1, 2, 4 or 8;
+    None where unset or empty."""
     v = os.environ.get(name, "").strip()
     if not v:
         return None
-    if v == "0":
-        return 0, 1
     try:
-        bh, warps = (int(p) for p in v.lower().split("x"))
+        n, warps = (int(p) for p in v.lower().split("x"))
     except ValueError:
-        raise ValueError(f"{name}={v!r} is not BHxWARPS (two integers) or 0") from None
-    if not (32 <= bh <= 4096 and bh & (bh - 1) == 0 and warps in (1, 2, 4, 8)):
-        raise ValueError(f"{name}={v!r}: BH must be a power of two in 32-4096, WARPS 1, 2, 4 "
-                         "or 8")
-    return bh, warps
+        raise ValueError(f"{name}={v!r} is not {size}xWARPS (two integers){alt}") from None
+    if not (lo <= n <= hi and n & (n - 1) == 0 and warps in (1, 2, 4, 8)):
+        raise ValueError(f"{name}={v!r}: {size} must be a power of two in {lo}-{hi}, WARPS 1, "
+                         "2, 4 or 8")
+    return n, warps
 
 
 def gpu_moe_grouped() -> tuple[int, int] | None:

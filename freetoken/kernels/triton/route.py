@@ -137,6 +137,22 @@ def _store_and_route(logit, eb, eb_ok, t, E, logits_ptr, count_ptr, bias_ptr, id
 
 
 @triton.jit
+def _residual(x_row, r_row, cols, ok):
+    """x + residual at cols of a row, rounded to x's dtype as torch's add rounds it."""
+    x = tl.load(x_row + cols, mask=ok, other=0.0)
+    r = tl.load(r_row + cols, mask=ok, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _residual_inv(x_row, r_row, cols, ok, H: tl.constexpr, eps):
+    """(s = x + residual over the row, 1 / rms(s)): the RMSNorm kernel's arithmetic."""
+    s = _residual(x_row, r_row, cols, ok)
+    sf = s.to(tl.float32)
+    return s, 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / H + eps)
+
+
+@triton.jit
 def _norm_gate_route_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, logits_ptr,
                             count_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_x, stride_r,
                             stride_y, stride_s, stride_q, stride_g, eps, H: tl.constexpr,
@@ -159,11 +175,8 @@ def _norm_gate_route_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_ptr, lo
     g = tl.load(g_ptr + eb[:, None].to(tl.int64) * stride_g + cols[None, :],
                 mask=eb_ok[:, None] & ok[None, :], other=0.0)
     wait(PDL)  # pdl.py: the kernel before has completed
-    x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
-    r = tl.load(r_ptr + t * stride_r + cols, mask=ok, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded as torch's add
+    x, inv = _residual_inv(x_ptr + t * stride_x, r_ptr + t * stride_r, cols, ok, H, eps)
     xf = x.to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     nw = tl.load(nw_ptr + cols, mask=ok, other=0.0)
     y = (xf * inv * nw).to(y_ptr.dtype.element_ty)
     if b == 0:
@@ -192,9 +205,8 @@ def _norm_gate_route_split_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_p
     by hidden slices instead of experts: the row's sum of squares (every program, from the
     whole row: the same inv), then s, y and y's codes of values [p BH, (p + 1) BH) stored,
     and every expert's partial logit over the slice into part [T, PP, BLOCK_E] (fp32, PP the
-    power of two from P); the
-    token's last program adds the P partials in slice order (fixed: deterministic) and routes
-    the token. A program reads a slice of every router row where the expert split reads
+    power of two from P); the token's last program adds the P partials in slice order (fixed:
+    deterministic) and routes the token. A program reads a slice of every router row where the expert split reads
     whole rows, and its warps share the row's norm instead of each program redoing it in one."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
@@ -207,14 +219,8 @@ def _norm_gate_route_split_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_p
                 mask=e_ok[:, None] & k_ok[None, :], other=0.0)
     wait(PDL)  # pdl.py: the kernel before has completed
     cols = tl.arange(0, BLOCK_H)
-    ok = cols < H
-    x = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0)
-    r = tl.load(r_ptr + t * stride_r + cols, mask=ok, other=0.0)
-    xf = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    xs = tl.load(x_ptr + t * stride_x + k, mask=k_ok, other=0.0)
-    rs = tl.load(r_ptr + t * stride_r + k, mask=k_ok, other=0.0)
-    xs = (xs.to(tl.float32) + rs.to(tl.float32)).to(xs.dtype)  # rounded as torch's add
+    _, inv = _residual_inv(x_ptr + t * stride_x, r_ptr + t * stride_r, cols, cols < H, H, eps)
+    xs = _residual(x_ptr + t * stride_x, r_ptr + t * stride_r, k, k_ok)  # the slice's values
     nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0)
     y = (xs.to(tl.float32) * inv * nw).to(y_ptr.dtype.element_ty)
     tl.store(s_ptr + t * stride_s + k, xs, mask=k_ok)
