@@ -479,56 +479,72 @@ def cycled_ms(fns: list) -> float:
     return graph_ms(lambda: next(it)(), calls=len(fns))
 
 
-def bench_hbm_tiles(fmt: str = "Q8_0s", total: int = 200 << 20) -> None:
-    """One-token tiles measured with the weights from HBM: the dense int8 GEMV (qkv, o_proj of
-    the 30B shape, `fmt`) and the Q4_K MoE layer (128 x 2048 x 768, top-8, other random
-    experts each call), each tile also timed L2-hot (one call replayed: how the --sweep
-    figures were taken). us per call; the default tiles marked *."""
+def _hbm_cells(tiles, call, weights, default) -> str:
+    """`call(w, t)` per tile t: us with every `weights` in turn (one graph: from HBM where they
+    outgrow L2) and with the first replayed (L2-hot), the default marked *."""
+    cells = []
+    for t in tiles:
+        name = "x".join(str(v) for v in t[1:4]) + (f" mt={t[4]}" if len(t) > 4 else "") \
+            if t[0] == 1 else "x".join(str(v) for v in t)
+        try:
+            hot = graph_ms(lambda t=t: call(weights[0], t))
+            cold = cycled_ms([lambda w=w, t=t: call(w, t) for w in weights])
+        except Exception as e:  # noqa: BLE001 - one failing tile must not end the sweep
+            cells.append(f"{name} failed: {type(e).__name__}")
+            continue
+        mark = "*" if default is not None and tuple(default) == tuple(t) else ""
+        cells.append(f"{name}{mark} {cold * 1e3:.2f} (hot {hot * 1e3:.2f})")
+    return " | ".join(cells)
+
+
+def bench_hbm_tiles(fmt: str = "Q8_0s", tokens: tuple[int, ...] = (1,), moe_fmt: str = "Q4_K",
+                    total: int = 200 << 20) -> None:
+    """Decode tiles measured with the weights from HBM: the dense linears (qkv, o_proj of the
+    30B shape, `fmt`) and the MoE layer (128 x 2048 x 768 `moe_fmt` experts, top-8, another
+    random routing each call) at each token count, each tile also timed L2-hot (one call
+    replayed: how the --sweep figures were taken). us per call; the default tiles marked *
+    (dense: the int8 GEMV's one-token tiles and several-token ones, tl.dot tiles from 5; the
+    MoE: the per-route int8 GEMV's)."""
     from freetoken.kernels.triton.formats import format_id
-    from freetoken.kernels.triton.linear import _i8_blocks, triton_linear
+    from freetoken.kernels.triton.linear import _DOT, _blocks, _i8_blocks, triton_linear
     from freetoken.kernels.triton.moe import _i8_tiles, fused_moe_triton
 
-    for name, n, k in DENSE[:2]:
-        w0 = make_weight(fmt, (n, k))
-        ws = [w0] + [make_weight(fmt, (n, k)) for _ in range(max(1, total // w0.nbytes()))]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        default = _i8_blocks(1, n, k, format_id(w0))
-        cells = []
-        for bn, bk, warps in I8_TILES:
-            t = (1, bn, bk, warps)
-            try:
-                hot = graph_ms(lambda t=t, x=x, w0=w0: triton_linear(x, w0, t))
-                cold = cycled_ms([lambda w=w, t=t, x=x: triton_linear(x, w, t) for w in ws])
-            except Exception as e:  # noqa: BLE001 - one failing tile must not end the sweep
-                cells.append(f"{bn}x{bk}x{warps} failed: {type(e).__name__}")
-                continue
-            mark = "*" if default is not None and tuple(default[:4]) == t else ""
-            cells.append(f"{bn}x{bk}x{warps}{mark} {cold * 1e3:.2f} (hot {hot * 1e3:.2f})")
-        print(f"hbm {fmt} {name} {n}x{k} m=1, us HBM (L2-hot): " + " | ".join(cells),
-              flush=True)
     e, h, inter, topk = 128, 2048, 768, 8
-    bank = random_bank("Q4_K", e, h, inter)
-    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16)
-    w = torch.softmax(torch.randn(1, topk, device="cuda"), -1)
-    idss = [torch.randperm(e, device="cuda")[:topk].view(1, topk) for _ in range(64)]
-    d13 = _i8_tiles(13, h, torch.bfloat16, None, 1)
-    cells = []
-    for bn, bk, warps in [(2, 1024, 1), (4, 1024, 2), (8, 1024, 4), (16, 1024, 4),
-                          (16, 512, 4), (32, 1024, 4), (32, 1024, 8), (16, 2048, 4),
-                          (8, 2048, 4), (16, 256, 4)]:
-        t = (1, bn, bk, warps)
-        try:
-            hot = graph_ms(lambda t=t: fused_moe_triton(x, bank, idss[0], w, "silu", None, t))
-            cold = cycled_ms([lambda i=i, t=t: fused_moe_triton(x, bank, i, w, "silu", None, t)
-                              for i in idss])
-        except Exception as ex:  # noqa: BLE001 - one failing tile must not end the sweep
-            cells.append(f"{bn}x{bk}x{warps} failed: {type(ex).__name__}")
-            continue
-        mark = "*" if d13 is not None and (bn, bk, warps) == d13[:3] else ""
-        cells.append(f"{bn}x{bk}x{warps}{mark} {cold * 1e3:.2f} (hot {hot * 1e3:.2f})")
-    cells.append(f"default {d13}")
-    print("hbm Q4_K MoE 128x2048x768 top-8 m=1, us HBM (L2-hot): " + " | ".join(cells),
-          flush=True)
+    bank = random_bank(moe_fmt, e, h, inter)
+    for m in tokens:
+        for name, n, k in DENSE[:2]:
+            w0 = make_weight(fmt, (n, k))
+            ws = [w0] + [make_weight(fmt, (n, k)) for _ in range(max(1, total // w0.nbytes()))]
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            fid = format_id(w0)
+            default = _i8_blocks(m, n, k, fid) if _i8(fmt) else None
+            default = default or _blocks(m, n, k, fid, _DOT[x.dtype])
+            if m == 1:
+                tiles = [(1, bn, bk, w) for bn, bk, w in I8_TILES]
+            else:
+                mt = min(16, 1 << (m - 1).bit_length())
+                tiles = [(1, bn, bk, w, mt) for bn, bk, w in MT_TILES] if _i8(fmt) else []
+                tiles += [(bm, bn, bk or 256, w) for bm, bn, bk, w in DOT_TILES[16]]
+            if tuple(default) not in tiles:
+                tiles.append(tuple(default))
+            cells = _hbm_cells(tiles, lambda w, t, x=x: triton_linear(x, w, t), ws, default)
+            print(f"hbm {fmt} {name} {n}x{k} m={m}, us HBM (L2-hot): {cells}", flush=True)
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        rw = torch.softmax(torch.randn(m, topk, device="cuda"), -1)
+        idss = [torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)])
+                for _ in range(64)]
+        dflt = _i8_tiles(format_id(bank.w13), h, torch.bfloat16, None, m)
+        default = None if dflt is None else (1, *dflt[:3])
+        cand = [(2, 1024, 1), (4, 1024, 2), (8, 1024, 4), (16, 1024, 4), (16, 512, 4),
+                (32, 1024, 4), (32, 1024, 8), (16, 2048, 4), (8, 2048, 4), (16, 256, 4)] \
+            if m == 1 else I8_ROUTE_TILES
+        tiles = [(1, *c) for c in cand]
+        if default is not None and default not in tiles:
+            tiles.append(default)
+        cells = _hbm_cells(tiles, lambda ids, t, x=x, rw=rw, bank=bank: fused_moe_triton(
+            x, bank, ids, rw, "silu", None, t), idss, default)
+        print(f"hbm {moe_fmt} MoE 128x2048x768 top-8 m={m}, us HBM (L2-hot): {cells}",
+              flush=True)
 
 
 def bench_norm_router(e: int = 128, h: int = 2048, layers: int = 160) -> None:
@@ -730,9 +746,12 @@ def main() -> None:
                    help="only run one 30B-shape layer's decode kernels at T tokens once, "
                         "between cudaProfilerStart and Stop (for ncu --profile-from-start off)")
     p.add_argument("--router", action="store_true", help="only time the MoE router variants")
-    p.add_argument("--hbm-tiles", default=None, metavar="FMT",
-                   help="only time one-token tiles of the dense GEMV (FMT: Q8_0s, nvfp4, "
-                        "Q4_K) and the Q4_K MoE with weights from HBM and L2-hot")
+    p.add_argument("--hbm-tiles", default=None, metavar="FMT[,MOE_FMT]",
+                   help="only time decode tiles of the dense linears (FMT: Q8_0s, nvfp4, "
+                        "Q4_K) and the MoE (MOE_FMT, default Q4_K) with weights from HBM and "
+                        "L2-hot")
+    p.add_argument("--hbm-tokens", default="1", metavar="T,T",
+                   help="token counts of --hbm-tiles (default 1)")
     p.add_argument("--norm-router", action="store_true",
                    help="only time the fused RMSNorm + router's experts and warps per program")
     p.add_argument("--dense-gemm", action="store_true",
@@ -782,7 +801,14 @@ def main() -> None:
         bench_norm_router()
         return
     if a.hbm_tiles:
-        bench_hbm_tiles(a.hbm_tiles)
+        fmts = a.hbm_tiles.split(",")
+        try:
+            tokens = tuple(int(t) for t in a.hbm_tokens.split(","))
+        except ValueError:
+            p.error(f"--hbm-tokens {a.hbm_tokens!r}: comma-separated token counts")
+        if len(fmts) > 2 or not all(1 <= t <= 16 for t in tokens):
+            p.error("--hbm-tiles takes FMT or FMT,MOE_FMT; --hbm-tokens counts of 1 to 16")
+        bench_hbm_tiles(fmts[0], tokens, fmts[1] if len(fmts) > 1 else "Q4_K")
         return
     if a.dense_gemm:
         bench_dense_gemm()
