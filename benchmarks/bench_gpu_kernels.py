@@ -397,9 +397,10 @@ def profile_step_kernels(t: int, e: int = 128, h: int = 2048, inter: int = 768,
                          topk: int = 8) -> None:
     """For a profiler started off (`ncu --profile-from-start off`): the decode kernels of one
     30B-shape layer at t tokens (split Q8_0 qkv and o_proj, the Q4_K MoE's gate/up and down,
-    the fused residual norm + router), each run three times to warm up, then once between
-    cudaProfilerStart and cudaProfilerStop."""
+    the fused residual norm + router, decode attention over 128 keys), each run three times to
+    warm up, then once between cudaProfilerStart and cudaProfilerStop."""
     from freetoken import kernels
+    from freetoken.kernels.triton.attention import decode
     from freetoken.kernels.triton.moe import fused_moe_triton
     from freetoken.kernels.triton.route import norm_gate_route_triton
 
@@ -413,10 +414,18 @@ def profile_step_kernels(t: int, e: int = 128, h: int = 2048, inter: int = 768,
     xa = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
     w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+    # decode attention over 128 keys a sequence (the 30B's 32 query and 4 KV heads of 128,
+    # bf16 pages of 16)
+    page, ctx = 16, 128
+    cache = torch.randn(2, t * ctx // page, page, 4, 128, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(t * ctx // page, device="cuda").to(torch.int32).view(t, -1)
+    lens = torch.full((t,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16)
     ops = [lambda: linear(x, qkv), lambda: linear(xa, o),
            lambda: fused_moe_triton(x, bank, ids, w, "silu", emap, grouped=False),
            lambda: norm_gate_route_triton(xr, xr, nw, 1e-6, True, gate, topk, False, True,
-                                          None)]
+                                          None),
+           lambda: decode(q, cache, table, lens, scale=128 ** -0.5, window=None, softcap=None)]
     for _ in range(3):
         for f in ops:
             f()
