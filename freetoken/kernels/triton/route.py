@@ -206,8 +206,9 @@ def _norm_gate_route_split_kernel(x_ptr, r_ptr, nw_ptr, y_ptr, s_ptr, q_ptr, g_p
     whole row: the same inv), then s, y and y's codes of values [p BH, (p + 1) BH) stored,
     and every expert's partial logit over the slice into part [T, PP, BLOCK_E] (fp32, PP the
     power of two from P); the token's last program adds the P partials in slice order (fixed:
-    deterministic) and routes the token. A program reads a slice of every router row where the expert split reads
-    whole rows, and its warps share the row's norm instead of each program redoing it in one."""
+    deterministic) and routes the token. A program reads a slice of every router row where
+    the expert split reads whole rows, and its warps share the row's norm instead of each
+    program redoing it in one."""
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
