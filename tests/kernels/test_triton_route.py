@@ -254,6 +254,21 @@ def test_norm_gate_route_bf16_codes(split: str | None, monkeypatch) -> None:
                                rtol=0.04, atol=0)
 
 
+def test_norm_gate_route_split_partial_slice_codes() -> None:
+    """The default split by hidden slices on a row that ends in a partial slice (96 = 64 +
+    32) with codes: s, y and the codes of both slices stored, nothing past the row (the codes
+    exactly the quantizer's of y, `triton_cases.check_codes`), routes as the float64 ones of
+    y's logits bound them (`_check`)."""
+    t, e, h, k, eps = 2, 16, 96, 2, 1e-6
+    x, r, nw, gate = _norm_case(t, e, h, seed=13)
+    y, s, q, ids, w = norm_gate_route_triton(x.to(DEV), r.to(DEV), nw.to(DEV), eps, True,
+                                             gate.to(DEV), k, False, True, None)
+    assert torch.equal(s.cpu(), x + r)
+    torch.testing.assert_close(y.cpu().double(), _norm64(x, r, nw, eps), rtol=1e-6, atol=1e-9)
+    cases.check_codes(q, y)
+    _check(ids, w, _ref64(y.cpu().double() @ gate.double().T, k, "softmax", True, None))
+
+
 def test_add_rms_norm_route_entry(monkeypatch) -> None:
     """The entry point: on CUDA at bf16 the routes come with y (`routes_of`) and equal the
     router's own on y (`gate_topk`), y and s those of `add_rms_norm`, and
