@@ -335,7 +335,7 @@ def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torc
     else NORM_ROUTE_SPLIT; BH a power of two from 32, 0: off)."""
     if split is None:
         split = env.gpu_norm_route_split() or NORM_ROUTE_SPLIT
-    if be is None or warps is None:
+    if be is None or warps is None:  # read (and checked) whichever split runs
         be, warps = env.gpu_norm_route_tiles() or NORM_ROUTE_TILES
     t, h = x.shape
     e = gate.shape[0]
@@ -350,27 +350,27 @@ def norm_gate_route_triton(x: torch.Tensor, residual: torch.Tensor, norm_w: torc
                          f"got {h}")
     q_ = q if q is not None else y
     block_e = triton.next_power_of_2(e)
+
+    def args(scratch: torch.Tensor) -> tuple:  # both kernels' leading arguments
+        return (x, residual, norm_w, y, s, q_, gate, scratch, _counts(x.device),
+                bias if bias is not None else scratch, ids, w, e, x.stride(0),
+                residual.stride(0), y.stride(0), s.stride(0), q_.stride(0), gate.stride(0),
+                float(eps))
+
+    consts = dict(H=h, QUANT=quantize, SIGMOID=sigmoid, HAS_BIAS=bias is not None,
+                  RENORM=renormalize, TOPK=top_k, BLOCK_E=block_e,
+                  BLOCK_K=triton.next_power_of_2(top_k), BLOCK_H=triton.next_power_of_2(h),
+                  **pdl.opts(),
+                  enable_fp_fusion=False)  # x * 127 / amax + 1/2 unfused, as in the RMSNorm
     if split[0]:
         bh = min(split[0], triton.next_power_of_2(h))
         n_p = triton.cdiv(h, bh)
         parts = torch.empty((t, triton.next_power_of_2(n_p), block_e), dtype=torch.float32,
                             device=x.device)
-        _norm_gate_route_split_kernel[(t, n_p)](
-            x, residual, norm_w, y, s, q_, gate, parts, _counts(x.device),
-            bias if bias is not None else parts, ids, w, e, x.stride(0), residual.stride(0),
-            y.stride(0), s.stride(0), q_.stride(0), gate.stride(0), float(eps), H=h,
-            QUANT=quantize, SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renormalize,
-            TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), BH=bh, P=n_p,
-            PP=parts.shape[1], BLOCK_H=triton.next_power_of_2(h), num_warps=split[1], **pdl.opts(),
-            enable_fp_fusion=False)
+        _norm_gate_route_split_kernel[(t, n_p)](*args(parts), BH=bh, P=n_p, PP=parts.shape[1],
+                                                num_warps=split[1], **consts)
         return y, s, q, ids, w
     logits = torch.empty((t, e), dtype=torch.float32, device=x.device)
-    _norm_gate_route_kernel[(t, triton.cdiv(e, be))](
-        x, residual, norm_w, y, s, q_, gate, logits, _counts(x.device),
-        bias if bias is not None else logits, ids, w, e, x.stride(0), residual.stride(0),
-        y.stride(0), s.stride(0), q_.stride(0), gate.stride(0), float(eps), H=h,
-        QUANT=quantize, SIGMOID=sigmoid, HAS_BIAS=bias is not None, RENORM=renormalize,
-        TOPK=top_k, BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(top_k),
-        BE=be, BLOCK_H=triton.next_power_of_2(h), num_warps=warps, **pdl.opts(),
-        enable_fp_fusion=False)  # x * 127 / amax + 1/2 unfused, as in the RMSNorm kernel
+    _norm_gate_route_kernel[(t, triton.cdiv(e, be))](*args(logits), BE=be, num_warps=warps,
+                                                     **consts)
     return y, s, q, ids, w
