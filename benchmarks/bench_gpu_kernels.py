@@ -4,6 +4,8 @@
         [--sweep nvfp4,Q4_K]   # first: GB/s per tile choice at 1, 16 and 512 tokens
     python benchmarks/bench_gpu_kernels.py --moe-grouped   # the MoE at 4-16 tokens: per-route
         # int8 GEMVs against the int8 grouped kernels (moe.GROUPED_TOKENS, GROUP_I8_TILES)
+    python benchmarks/bench_gpu_kernels.py --moe-mma   # the Q4_K MoE at 2-16 tokens: per-route
+        # int8 GEMVs against the int8 tensor-core kernels (moe_mma.py), weights from HBM
     python benchmarks/bench_gpu_kernels.py --moe-routes   # the per-route MoE: bound by its
         # routes or by the distinct experts' bytes
     python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge,
@@ -172,6 +174,8 @@ I8_TILES = [(2, 1024, 1), (4, 512, 2), (4, 1024, 2), (4, 2048, 4), (8, 256, 4), 
 # FREETOKEN_GPU_MOE_ROUTE_TILES sets end to end): wider row blocks, fewer programs per route
 I8_ROUTE_TILES = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 4), (32, 1024, 8), (64, 1024, 4),
                   (64, 1024, 8), (32, 512, 4), (64, 512, 8), (128, 1024, 8)]
+# (BN, num_warps) of the int8 tensor-core MoE kernels timed by --moe-mma
+MMA_SWEEP = [(32, 4), (64, 4), (64, 8), (128, 8)]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
@@ -355,6 +359,45 @@ def bench_moe_grouped(tokens: tuple[int, ...] = (4, 8, 16), e: int = 128, h: int
                      for _, g, why in rows]
             print(f"{fmt:6s} {t:3d} {int(torch.unique(ids).numel()):7d} {route * 1e3:12.1f}  "
                   + "  ".join(cells) + f"   {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+
+
+def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int = 2048,
+                  inter: int = 768, topk: int = 8) -> None:
+    """One MoE layer of Qwen3-30B-A3B's shape (Q4_K, bf16 x quantized by the RMSNorm before it)
+    at 2-16 tokens, the weights from HBM (64 random routings cycled in one CUDA graph, as
+    `bench_hbm_tiles`): the per-route int8 GEMVs (today's default) against the int8
+    tensor-core kernels (`moe_mma.py`) at each (BN, num_warps) of MMA_SWEEP. us per layer,
+    one line per token count; the best tile last."""
+    from freetoken import kernels
+    from freetoken.kernels.triton.moe import fused_moe_triton
+    from freetoken.kernels.triton.moe_mma import fused_moe_mma
+
+    bank = random_bank("Q4_K", e, h, inter)
+    nw = torch.rand(h, device="cuda") + 0.5
+    print(f"{'T':>3s} {'per-route us':>12s}  " + "  ".join(f"{str(t):>16s}" for t in MMA_SWEEP)
+          + "   best (BN, warps)")
+    for t in tokens:
+        torch.manual_seed(t)
+        x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw, 1e-6,
+                             quantize=True)  # the codes attached, as at decode
+        rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+        idss = [torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+                for _ in range(64)]
+        route = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw, "silu")
+                           for ids in idss])
+        cells, best = [], None
+        for tile in MMA_SWEEP:
+            try:
+                ms = cycled_ms([functools.partial(fused_moe_mma, x, bank, ids, rw, "silu",
+                                                  None, tile) for ids in idss])
+            except Exception as err:  # noqa: BLE001 - one failing tile must not end the sweep
+                cells.append(f"{type(err).__name__:>16s}")
+                continue
+            cells.append(f"{ms * 1e3:7.1f} ({route / ms:4.2f}x)")
+            if best is None or ms < best[1]:
+                best = (tile, ms)
+        tail = f"   {best[0]} {best[1] * 1e3:.1f} us" if best else ""
+        print(f"{t:3d} {route * 1e3:12.1f}  " + "  ".join(cells) + tail, flush=True)
 
 
 def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
@@ -748,6 +791,9 @@ def main() -> None:
     p.add_argument("--moe-grouped", action="store_true",
                    help="only time one MoE layer (30B shape, Q4_K and NVFP4) at 4, 8 and 16 "
                         "tokens: per-route int8 GEMVs against the int8 grouped kernels")
+    p.add_argument("--moe-mma", action="store_true",
+                   help="only time one MoE layer (30B shape, Q4_K, weights from HBM) at 2-16 "
+                        "tokens: per-route int8 GEMVs against the int8 tensor-core kernels")
     p.add_argument("--moe-routes", action="store_true",
                    help="only time one MoE layer (30B shape) at 1, 4 and 16 tokens over random, "
                         "8 shared and all distinct experts: bound by routes or by bytes")
@@ -796,6 +842,13 @@ def main() -> None:
         return
     if a.moe_grouped:
         bench_moe_grouped()
+        return
+    if a.moe_mma:
+        if not torch.cuda.is_available():
+            sys.exit("bench_gpu_kernels.py --moe-mma: needs a CUDA GPU (it times the compiled "
+                     "kernels from CUDA graphs); on the CPU the kernels' tests run under "
+                     "Triton's interpreter: pytest tests/kernels/test_triton_moe_mma.py")
+        bench_moe_mma()
         return
     if a.moe_routes:
         bench_moe_routes()

@@ -291,7 +291,20 @@ def gpu_moe_grouped() -> tuple[int, int] | None:
     rows read once for all of its routes: `kernels/triton/moe_grouped.py`) instead of one
     GEMV per route; 0: never, read as the empty span (0, 0). Unset or empty: None, the
     measured default (`kernels/triton/moe.py: GROUPED_TOKENS`). 1 <= LO <= HI."""
-    name = "FREETOKEN_GPU_MOE_GROUPED"
+    return _span("FREETOKEN_GPU_MOE_GROUPED", "5-16")
+
+
+def gpu_moe_mma() -> tuple[int, int] | None:
+    """FREETOKEN_GPU_MOE_MMA=LO-HI (2-16, say): the steps of LO to HI tokens at which the fused
+    MoE runs the int8 tensor-core kernels for Q4_K banks (routes grouped by expert in blocks,
+    each expert's codes multiplied as int8 by tl.dot: `kernels/triton/moe_mma.py`) instead of
+    its other paths, where both banks are Q4_K and x takes int8 dots; 0: never, read as the
+    empty span (0, 0). Unset or empty: None, off (an opt-in until measured). 1 <= LO <= HI."""
+    return _span("FREETOKEN_GPU_MOE_MMA", "2-16")
+
+
+def _span(name: str, example: str) -> tuple[int, int] | None:
+    """A token span switch LO-HI: (LO, HI), (0, 0) for 0 (never), None unset or empty."""
     v = os.environ.get(name, "").strip()
     if not v:
         return None
@@ -300,7 +313,7 @@ def gpu_moe_grouped() -> tuple[int, int] | None:
     try:
         lo, hi = (int(p) for p in v.split("-"))
     except ValueError:
-        raise ValueError(f"{name}={v!r} is not LO-HI (two token counts: 5-16, say) or 0 "
+        raise ValueError(f"{name}={v!r} is not LO-HI (two token counts: {example}, say) or 0 "
                          "(never)") from None
     if not 1 <= lo <= hi:
         raise ValueError(f"{name}={v!r}: LO must be 1 or more and HI at least LO")

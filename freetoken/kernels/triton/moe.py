@@ -665,6 +665,11 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if (span := env.gpu_moe_mma()) and span[0] <= t <= span[1]:  # opt-in: moe_mma.py
+        from freetoken.kernels.triton import moe_mma
+        if moe_mma.supported_mma(bank, x.dtype):
+            return moe_mma.fused_moe_mma(x, bank, topk_ids, topk_weights, activation,
+                                         expert_map)
     gt = (_grouped_tiles(t, topk, bank, x.dtype, grouped, group_tiles)
           if tiles is None or grouped else None)
     if gt is not None and r > 0:

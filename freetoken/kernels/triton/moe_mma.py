@@ -1,0 +1,245 @@
+"""Small-batch fused MoE for Q4_K experts in int8 tensor-core dots (2 to 128 tokens).
+
+The per-route int8 GEMV (moe.py, BM = 1, `gemv_i8.py`'s dp4a) reads an expert's rows once per
+route: at 16 tokens (128 routes over some 82 of 128 experts, 30B shape) it is bound by routes,
+not by the distinct experts' bytes. The sorted path (BM = 16, `_align`) reads them once per
+block of routes but decodes Q4_K to floats in registers (`fast_tile`), bound by the ALU. Here
+the routes are grouped by slot as the sorted path groups them (`moe._align`, BM routes a
+block), and a program multiplies its block's activation codes by the expert's 4-bit codes
+kept as int8, on the tensor cores: `tl.dot(int8 [BM, 32], int8 [32, BN]) -> int32` per
+32-value sub-block; the Q4_K scales, mins and the activation's block scales are applied to
+the integer sums in fp32.
+
+Activations are quantized per 32 values as the int8 GEMV quantizes them (`gemv_i8._quant`; x's
+codes from the RMSNorm where attached, else `_quant_rows_kernel`), the GLU output by the
+gate/up kernel (`gemv_i8.quant_store_rows`) for the down kernel. The integer sums are those
+of `gemv_i8._q4_k_dot`; its fp32 epilogue is followed operation by operation (the pair of
+sub-blocks 2g, 2g + 1 added in g order, super-blocks summed per chunk of CH super-blocks,
+chunks added in order, no fused multiply-add), with CH the per-route path's chunk, so the
+result is the per-route int8 path's bits where both reductions run in index order (Triton's
+interpreter; on the GPU a `tl.sum` may associate its 4 or CH terms otherwise: then each
+output differs by fp32 association only, a few eps of the sum of its terms' magnitudes).
+Each token's routes are summed by `moe._sum_routes_kernel` in route order (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton.formats import format_id
+from freetoken.kernels.triton.gemv_i8 import quant_store, quant_store_rows, use_i8, xq_len
+from freetoken.kernels.triton.linear import weight_args, xq_rows
+from freetoken.kernels.triton.moe_grouped import glu
+from freetoken.kernels.triton.pdl import wait
+from freetoken.kernels.triton.quant import _f16_bits
+from freetoken.moe.banks import ExpertBank
+
+Q4_K = 13  # format id (formats.py)
+BM = 16  # routes a block (`moe._align`); tl.dot's M
+# (BN, num_warps) of both kernels by default; not yet timed (bench_gpu_kernels.py --moe-mma)
+MMA_TILES = (64, 4)
+
+
+def supported_mma(bank: ExpertBank, dtype: torch.dtype) -> bool:
+    """Both banks Q4_K, an activation the int8 dots take (`gemv_i8.use_i8`: 16-bit, the switch
+    on), hidden and expert width in whole super-blocks."""
+    return (format_id(bank.w13) == Q4_K and format_id(bank.w2) == Q4_K
+            and use_i8(Q4_K, dtype) and bank.hidden % 256 == 0 and bank.intermediate % 256 == 0)
+
+
+@triton.jit
+def _quant_rows_kernel(x_ptr, q_ptr, stride_xm, stride_qm, K: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """Program (t, c): values c BLOCK .. (c + 1) BLOCK of x's row t quantized into q's row t
+    (`gemv_i8.quant_store`, the int8 GEMV's quantization bit for bit)."""
+    t = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK
+    cols = n0 + tl.arange(0, BLOCK)
+    xf = tl.load(x_ptr + t * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    quant_store(tl.reshape(xf, (1, BLOCK)), q_ptr + t * stride_qm, n0, tl.arange(0, 1) < 1, K)
+
+
+@triton.jit
+def _byte(v, i: tl.constexpr):
+    return ((v >> (8 * i)) & 255).to(tl.float32)
+
+
+@triton.jit
+def _super_block(x_rows, w_rows, n_ok, sb, K: tl.constexpr):
+    """fp32 [BM, BN]: super-block sb of the rows w_rows ([BN] byte pointers) against the
+    activation rows x_rows ([BM] pointers to `quant_store` rows of K values), with the
+    arithmetic of `gemv_i8._q4_k_dot` (its sums and mins per sub-block pair, in g order)."""
+    BN: tl.constexpr = w_rows.shape[0]
+    blk = w_rows + sb * 144
+    head = tl.load(blk.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, 4)[None, :],
+                   mask=n_ok[:, None], other=0)  # [BN, 4]: d | dmin << 16, scale bytes
+    h02, h13 = tl.split(tl.reshape(head, (BN, 2, 2)))
+    w0, w2 = tl.split(h02)
+    w1, w3 = tl.split(h13)
+    sc4 = w1 & 0x3F3F3F3F  # sub-blocks 0-3's scales, a byte each
+    sc8 = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)  # 4-7
+    mn4 = w2 & 0x3F3F3F3F
+    mn8 = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+    d = _f16_bits(w0 & 0xFFFF)
+    dmin = _f16_bits((w0 >> 16) & 0xFFFF)
+    x8 = x_rows.to(tl.pointer_type(tl.int8))  # byte k of a row: code k
+    j = tl.arange(0, 32)
+    sums = tl.zeros((x_rows.shape[0], BN), dtype=tl.float32)
+    mins = tl.zeros((x_rows.shape[0], BN), dtype=tl.float32)
+    for g in tl.static_range(4):
+        q = tl.load(blk[:, None] + 16 + 32 * g + j[None, :], mask=n_ok[:, None], other=0)
+        lo = (q & 15).to(tl.int8)  # [BN, 32]: sub-block 2g
+        hi = (q >> 4).to(tl.int8)  # 2g + 1
+        k_lo = sb * 256 + 64 * g
+        x_lo = tl.load(x8[:, None] + k_lo + j[None, :])
+        x_hi = tl.load(x8[:, None] + k_lo + 32 + j[None, :])
+        i_lo = tl.dot(x_lo, tl.trans(lo), out_dtype=tl.int32).to(tl.float32)
+        i_hi = tl.dot(x_hi, tl.trans(hi), out_dtype=tl.int32).to(tl.float32)
+        b = sb * 8 + 2 * g  # the activation's block of sub-block 2g
+        xd_lo = tl.load(x_rows + K // 2 + b).to(tl.float32, bitcast=True)[:, None]
+        xd_hi = tl.load(x_rows + K // 2 + b + 1).to(tl.float32, bitcast=True)[:, None]
+        xs_lo = tl.load(x_rows + K // 2 + K // 32 + b).to(tl.float32)[:, None]
+        xs_hi = tl.load(x_rows + K // 2 + K // 32 + b + 1).to(tl.float32)[:, None]
+        sc = sc4 if g < 2 else sc8
+        mn = mn4 if g < 2 else mn8
+        at: tl.constexpr = (g % 2) * 2  # byte of sub-block 2g in its word
+        sums += _byte(sc, at)[None, :] * (i_lo * xd_lo) \
+            + _byte(sc, at + 1)[None, :] * (i_hi * xd_hi)
+        mins += _byte(mn, at)[None, :] * (xs_lo * xd_lo) \
+            + _byte(mn, at + 1)[None, :] * (xs_hi * xd_hi)
+    return d[None, :] * sums - dmin[None, :] * mins
+
+
+@triton.jit
+def _rows_dot(x_rows, w_rows, n_ok, K: tl.constexpr, CH: tl.constexpr):
+    """fp32 [BM, BN]: the rows' dots over K, super-blocks summed per chunk of CH (the per-route
+    GEMV's chunk of 256 CH values), the chunks added in order."""
+    acc = tl.zeros((x_rows.shape[0], w_rows.shape[0]), dtype=tl.float32)
+    for c in tl.range(K // (256 * CH)):  # rolled: the same order of adds, a small program
+        part = tl.zeros((x_rows.shape[0], w_rows.shape[0]), dtype=tl.float32)
+        for s in tl.range(CH):
+            part += _super_block(x_rows, w_rows, n_ok, c * CH + s, K)
+        acc += part
+    return acc
+
+
+@triton.jit
+def _block(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr):
+    pid_b = tl.program_id(0)
+    routes = tl.load(route_ids_ptr + pid_b * BM + tl.arange(0, BM))
+    r_ok = routes < R
+    return tl.load(block_slot_ptr + pid_b), tl.where(r_ok, routes, 0), r_ok
+
+
+@triton.jit
+def _mma_gate_up_kernel(xq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, aq_ptr, R,
+                        stride_xm, stride_ws, stride_wn, stride_am, stride_bs,
+                        K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        CH: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (block, row block): a = glu(g s[slot, 0], u s[slot, 1]) of the block's routes
+    for the gate rows rn and up rows INTER + rn, stored quantized into their rows of aq
+    (`quant_store_rows`; BN a multiple of 32). xq: x's rows quantized (`quant_store`)."""
+    wait(PDL)  # pdl.py: the kernel before has completed
+    slot, routes, r_ok = _block(route_ids_ptr, block_slot_ptr, R, BM)
+    if slot < 0:
+        return
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = rn < INTER
+    w_slot = w_ptr + slot.to(tl.int64) * stride_ws
+    wg = w_slot + rn.to(tl.int64) * stride_wn
+    wu = w_slot + (rn + INTER).to(tl.int64) * stride_wn
+    x_rows = xq_ptr + (routes // TOPK).to(tl.int64) * stride_xm
+    acc_g = _rows_dot(x_rows, wg, n_ok, K, CH)
+    acc_u = _rows_dot(x_rows, wu, n_ok, K, CH)
+    s = bank_s_ptr + slot * stride_bs
+    a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
+    quant_store_rows(a, aq_ptr + routes.to(tl.int64) * stride_am, tl.program_id(1) * BN, r_ok,
+                     INTER)
+
+
+@triton.jit
+def _mma_down_kernel(aq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
+                     y_ptr, R, stride_am, stride_ws, stride_wn, stride_ym, stride_bs,
+                     K: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (block, row block): y[r, rn] = (a_r Wd^T) s[slot, 2] route_weight[r] for the
+    block's routes r, fp32, a read as `_mma_gate_up_kernel` quantized it."""
+    wait(PDL)  # pdl.py: the kernel before has completed
+    slot, routes, r_ok = _block(route_ids_ptr, block_slot_ptr, R, BM)
+    if slot < 0:
+        return
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = rn < HIDDEN
+    w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn.to(tl.int64) * stride_wn
+    acc = _rows_dot(aq_ptr + routes.to(tl.int64) * stride_am, w_rows, n_ok, K, CH)
+    r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
+    y = acc * tl.load(bank_s_ptr + slot * stride_bs + 2) * r_w[:, None]
+    out = y_ptr + routes[:, None].to(tl.int64) * stride_ym + rn[None, :]
+    tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
+
+
+def _chunks(bank: ExpertBank, dtype: torch.dtype, tokens: int) -> tuple[int, int]:
+    """Super-blocks per fp32 partial sum of gate/up and down: the per-route int8 GEMV's chunks
+    at this size (`moe._i8_tiles`, `_down_i8_tiles`; the same association, the same bits)."""
+    from freetoken.kernels.triton import moe
+
+    up = moe._i8_tiles(Q4_K, bank.hidden, dtype, None, tokens)
+    down = moe._down_i8_tiles(Q4_K, bank.intermediate, dtype, None, tokens)
+    return (up[1] // 256 if up else 1), (down[1] // 256 if down else 1)
+
+
+def fused_moe_mma(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
+                  topk_weights: torch.Tensor, activation: str = "silu",
+                  expert_map: torch.Tensor | None = None,
+                  tiles: tuple[int, int] | None = None) -> torch.Tensor:
+    """`moe.fused_moe_triton`'s contract ([T, H] in x.dtype) for banks `supported_mma` takes:
+    routes grouped by slot in blocks of BM (`moe._align`), gate/up and down in int8 tensor-core
+    dots, one program per (block, row block), each expert's rows read once per block of its
+    routes. `tiles` (BN, num_warps) of both kernels, BN a multiple of 32 (default MMA_TILES)."""
+    from freetoken.kernels.triton.moe import _ACT, _align, _sum_routes_kernel
+
+    if activation not in _ACT:
+        raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
+    if not supported_mma(bank, x.dtype):
+        raise ValueError("fused_moe_mma: both banks must be Q4_K, x 16-bit with int8 dots on")
+    bn, warps = tiles or MMA_TILES
+    if bn % 32 or bn < 32:
+        raise ValueError(f"fused_moe_mma: BN={bn} must be a multiple of 32")
+    t, topk = topk_ids.shape
+    h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
+    if r == 0:
+        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    q = xq_rows(x, t, h)
+    if q is None:
+        q = torch.empty(t, xq_len(h), dtype=torch.int32, device=x.device)
+        block = min(1024, h)
+        _quant_rows_kernel[(t, triton.cdiv(h, block))](x, q, x.stride(0), q.stride(0), K=h,
+                                                      BLOCK=block, num_warps=4)
+    route_ids, block_slot = _align(topk_ids, expert_map, bank.num_experts, BM)
+    nb = block_slot.numel()
+    ch13, ch2 = _chunks(bank, x.dtype, t)
+    w13, _ = weight_args(bank.w13)
+    w2, _ = weight_args(bank.w2)
+    scales = bank.scales if bank.scales.stride(-1) == 1 else bank.scales.contiguous()
+    sb = scales.stride(0)
+    aq = torch.empty(r, xq_len(inter), dtype=torch.int32, device=x.device)
+    _mma_gate_up_kernel[(nb, triton.cdiv(inter, bn))](
+        q, w13, scales, route_ids, block_slot, aq, r, q.stride(0), w13.stride(0),
+        w13.stride(1), aq.stride(0), sb, K=h, INTER=inter, TOPK=topk, ACT=_ACT[activation],
+        BM=BM, BN=bn, CH=ch13, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+    # a route whose expert maps to -1 (computed elsewhere) is in no block: its row reads zero
+    y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
+                                                              device=x.device)
+    _mma_down_kernel[(nb, triton.cdiv(h, bn))](
+        aq, w2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
+        aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), sb, K=inter, HIDDEN=h, BM=BM,
+        BN=bn, CH=ch2, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
+                                                   num_warps=4, **pdl.opts())
+    return out
