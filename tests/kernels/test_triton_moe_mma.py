@@ -8,15 +8,16 @@
    fp32 epilogue in the same order, so the same bits in Triton's interpreter (its reductions
    run in index order). On the GPU the same bits hold only where the per-route kernel's
    `tl.sum`s over 4 sub-block pairs and a chunk's super-blocks also run in index order
-   (their association follows the layout); should they not, the outputs differ by fp32
-   association only (`moe_mma` module doc) and this check is to become that bound.
+   (their association follows the layout); they did not on an H100, so there check 2 bounds
+   both (`moe_mma` module doc).
 2. Against float64 math on the dequantized weights (`test_triton_gemv_i8._moe_reference`: x
    and a quantized per 32 values as the int8 GEMVs quantize them, their stated tolerance plus
    the bf16 output's rounding), at 2, 16 and 24 tokens (24: a slot with more routes than a
    block, so several blocks of one expert), top-2 and top-4, with and without a map (experts
    at -1: their routes add nothing).
-Small shapes in the interpreter (8 experts, hidden 512, FFN 256); the bits also on CUDA at
-the 30B shape where it is present.
+Small shapes in the interpreter (8 experts, hidden 512, FFN 256); with CUDA the 30B shape's
+width (16 experts, hidden 2048, FFN 768) against float64 only (check 1 holds in the
+interpreter: on the GPU the per-route kernel's sums associate otherwise).
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def _spied(monkeypatch, module, names, fn):
 BIT_CASES = [(5, 2, 4, "silu", 1), (3, 4, 5, "gelu_tanh", 0), (8, 2, 3, "silu", 1)]
 
 
+# On CUDA (H100, 2026-12-07) a's codes differed from the per-route path's: its `tl.sum` over a
+# chunk's 4 sub-block pairs associates otherwise there than `_super_block`'s running sum; the
+# float64 test below bounds both paths on CUDA at the 30B shape (it passed there).
+@pytest.mark.skipif(CUDA, reason="bit equality needs both reductions in index order: the "
+                    "interpreter's; on CUDA the float64 bound covers the kernels")
 @pytest.mark.parametrize("tokens,topk,hot,act,mapped", BIT_CASES)
 def test_mma_matches_per_route_bits(tokens, topk, hot, act, mapped, monkeypatch):
     """Codes of a, y rows and the output are the per-route int8 path's (module doc, 1)."""

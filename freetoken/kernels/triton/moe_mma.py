@@ -17,9 +17,20 @@ of `gemv_i8._q4_k_dot`; its fp32 epilogue is followed operation by operation (th
 sub-blocks 2g, 2g + 1 added in g order, super-blocks summed per chunk of CH super-blocks,
 chunks added in order, no fused multiply-add), with CH the per-route path's chunk, so the
 result is the per-route int8 path's bits where both reductions run in index order (Triton's
-interpreter; on the GPU a `tl.sum` may associate its 4 or CH terms otherwise: then each
-output differs by fp32 association only, a few eps of the sum of its terms' magnitudes).
+interpreter; on an H100 the per-route kernel's `tl.sum` associated its terms otherwise, so
+there a's codes differed: each output differs by fp32 association only, a few eps of the sum
+of its terms' magnitudes, and both stay within the float64 test's int8 bound).
 Each token's routes are summed by `moe._sum_routes_kernel` in route order (deterministic).
+
+Measured slower than the per-route GEMV, so it runs on request only (FREETOKEN_GPU_MOE_MMA):
+on an H100 (bench_gpu_kernels.py --moe-mma, 30B shape, weights from HBM, 2026-12-07), us a
+layer at 2 / 4 / 8 / 16 tokens, per-route 25.4 / 40.2 / 65.4 / 105.4, these kernels at their
+best tiles (64 rows, 4 warps) 69.8 / 94.7 / 147.0 / 214.7 (32 rows 4 warps, 64 x 8 and 128 x 8
+slower still); end to end (ab_env.py, 30B Q4_K fused, batch 16) 2,213.9 -> 1,263.6 tok/s.
+Not yet known where the time goes. Suspects: each 32-value sub-block's tl.dot is one MMA
+k-step followed by an fp32 epilogue over the whole [16, BN] tile (16 padded rows for some
+1.6 routes an expert at 16 tokens), the codes' layout conversion to dot operands, the rolled
+super-block loop, and at 2-4 tokens the launches (the grouping's memset and three kernels).
 """
 
 from __future__ import annotations
@@ -39,7 +50,8 @@ from freetoken.moe.banks import ExpertBank
 
 Q4_K = 13  # format id (formats.py)
 BM = 16  # routes a block (`moe._align`); tl.dot's M
-# (BN, num_warps) of both kernels by default; not yet timed (bench_gpu_kernels.py --moe-mma)
+# (BN, num_warps) of both kernels by default: the best of bench_gpu_kernels.py --moe-mma's
+# (32, 4), (64, 4), (64, 8), (128, 8) at 2-16 tokens on an H100 (module doc)
 MMA_TILES = (64, 4)
 
 
@@ -105,7 +117,7 @@ def _super_block(x_rows, w_rows, n_ok, sb, K: tl.constexpr):
         xs_hi = tl.load(x_rows + K // 2 + K // 32 + b + 1).to(tl.float32)[:, None]
         sc = sc4 if g < 2 else sc8
         mn = mn4 if g < 2 else mn8
-        at: tl.constexpr = (g % 2) * 2  # byte of sub-block 2g in its word
+        at = (g % 2) * 2  # byte of sub-block 2g in its word (a constexpr: g is)
         sums += _byte(sc, at)[None, :] * (i_lo * xd_lo) \
             + _byte(sc, at + 1)[None, :] * (i_hi * xd_hi)
         mins += _byte(mn, at)[None, :] * (xs_lo * xd_lo) \
