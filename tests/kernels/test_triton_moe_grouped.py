@@ -223,23 +223,10 @@ def _i8_case(fmt: str, seed: int):
     return bank, x, w, emap.to(DEV)
 
 
-class _Spy:
-    """A kernel that records the arguments of its launches (the tensors they fill)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.calls.append(args)
-            return self.kernel[grid](*args, **kw)
-        return launch
-
-
 def _run(monkeypatch, module, name: str, *args, **kw):
     """fused_moe_triton's output and (a, y) as the down kernel `name` of `module` read and
     wrote them (positional arguments 0 and 8 of both down kernels)."""
-    spy = _Spy(getattr(module, name))
+    spy = cases.Spy(getattr(module, name))
     monkeypatch.setattr(module, name, spy)
     out = fused_moe_triton(*args, **kw)
     monkeypatch.setattr(module, name, spy.kernel)

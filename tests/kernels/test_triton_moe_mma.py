@@ -77,23 +77,10 @@ def _map(ids: torch.Tensor, n: int) -> torch.Tensor:
     return emap
 
 
-class _Spy:
-    """A kernel that records the arguments of its launches (the tensors they fill)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            self.calls.append(args)
-            return self.kernel[grid](*args, **kw)
-        return launch
-
-
 def _spied(monkeypatch, module, names, fn):
     """fn()'s result and the positional arguments of each kernel `names` of `module` (None
     where it did not run)."""
-    spies = {n: _Spy(getattr(module, n)) for n in names}
+    spies = {n: cases.Spy(getattr(module, n)) for n in names}
     for n, s in spies.items():
         monkeypatch.setattr(module, n, s)
     try:

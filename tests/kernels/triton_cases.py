@@ -97,3 +97,16 @@ def check_codes(q: torch.Tensor, y: torch.Tensor) -> None:
     assert torch.equal(neg, -want_q), "negated codes"
     assert torch.equal(d, want_d), "block scales"
     assert torch.equal(sums.float(), want_q.reshape(m, -1, 32).sum(-1)), "block sums"
+
+
+class Spy:
+    """A kernel that records the arguments of its launches (the tensors they fill)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.calls.append(args)
+            return self.kernel[grid](*args, **kw)
+        return launch
