@@ -174,8 +174,8 @@ I8_TILES = [(2, 1024, 1), (4, 512, 2), (4, 1024, 2), (4, 2048, 4), (8, 256, 4), 
 # FREETOKEN_GPU_MOE_ROUTE_TILES sets end to end): wider row blocks, fewer programs per route
 I8_ROUTE_TILES = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 4), (32, 1024, 8), (64, 1024, 4),
                   (64, 1024, 8), (32, 512, 4), (64, 512, 8), (128, 1024, 8)]
-# (BN, num_warps) of the int8 tensor-core MoE kernels timed by --moe-mma
-MMA_SWEEP = [(32, 4), (64, 4), (64, 8), (128, 8)]
+# (BN, num_warps, unroll) of the int8 tensor-core MoE kernels timed by --moe-mma
+MMA_SWEEP = [(32, 4, True), (64, 4, True), (32, 4, False), (64, 4, False), (64, 8, True)]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
@@ -366,7 +366,7 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
     """One MoE layer of Qwen3-30B-A3B's shape (Q4_K, bf16 x quantized by the RMSNorm before it)
     at 2-16 tokens, the weights from HBM (64 random routings cycled in one CUDA graph, as
     `bench_hbm_tiles`): the per-route int8 GEMVs (today's default) against the int8
-    tensor-core kernels (`moe_mma.py`) at each (BN, num_warps) of MMA_SWEEP. us per layer,
+    tensor-core kernels (`moe_mma.py`) at each (BN, num_warps, unroll) of MMA_SWEEP. us a layer,
     one line per token count; the best tile last."""
     from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
@@ -375,7 +375,7 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
     bank = random_bank("Q4_K", e, h, inter)
     nw = torch.rand(h, device="cuda") + 0.5
     print(f"{'T':>3s} {'per-route us':>12s}  " + "  ".join(f"{str(t):>16s}" for t in MMA_SWEEP)
-          + "   best (BN, warps)")
+          + "   best (BN, warps, unroll)")
     for t in tokens:
         torch.manual_seed(t)
         x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw, 1e-6,

@@ -127,8 +127,9 @@ def test_mma_matches_per_route_bits(tokens, topk, hot, act, mapped, monkeypatch)
     assert torch.equal(got, want)
 
 
-# (tokens, top-k, hot experts, activation, experts mapped to -1, tiles)
-F64_CASES = [(2, 2, E, "silu", 0, None), (16, 4, 6, "gelu_tanh", 2, (32, 4)),
+# (tokens, top-k, hot experts, activation, experts mapped to -1, tiles: the default, the
+# rolled super-block loop, 128 rows on 8 warps)
+F64_CASES = [(2, 2, E, "silu", 0, None), (16, 4, 6, "gelu_tanh", 2, (64, 4, False)),
              (24, 4, 5, "silu", 1, (128, 8))]
 
 

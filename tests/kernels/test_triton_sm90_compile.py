@@ -214,18 +214,25 @@ CASES.update({
 })
 
 # the Q4_K MoE in int8 tensor-core dots (`moe_mma.py`; opt-in) at the 30B shape with its
-# default tiles and the chunks the per-route path takes (gate/up 4 super-blocks, down 1), and
-# its activation quantizer (a constexpr reassigned in the sub-block loop ran in the
-# interpreter and failed only when compiled)
+# default rows, both loop forms and the chunks the per-route path takes (gate/up 4
+# super-blocks, down 1), and its activation quantizer (a constexpr reassigned in the
+# sub-block loop ran in the interpreter and failed only when compiled)
 _MMA_PTRS = {"xq_ptr": "*i32", "aq_ptr": "*i32", "w_ptr": "*u8", "bank_s_ptr": "*fp32",
              "route_ids_ptr": "*i32", "block_slot_ptr": "*i32", "route_w_ptr": "*fp32",
              "y_ptr": "*fp32", "x_ptr": _BF, "q_ptr": "*i32"}
 CASES.update({
-    "mma-gate-up-q4k": ("freetoken.kernels.triton.moe_mma", "_mma_gate_up_kernel", _MMA_PTRS,
-                        dict(K=2048, INTER=768, TOPK=8, ACT=0, BM=16, BN=64, CH=4, PDL=False),
-                        (), 4),
-    "mma-down-q4k": ("freetoken.kernels.triton.moe_mma", "_mma_down_kernel", _MMA_PTRS,
-                     dict(K=768, HIDDEN=2048, BM=16, BN=64, CH=1, PDL=False), (), 4),
+    f"mma-gate-up-q4k-unroll{u}": (
+        "freetoken.kernels.triton.moe_mma", "_mma_gate_up_kernel", _MMA_PTRS,
+        dict(K=2048, INTER=768, TOPK=8, ACT=0, BM=16, BN=32, CH=4, UNROLL=u, PDL=False), (), 4)
+    for u in (False, True)
+})
+CASES.update({
+    f"mma-down-q4k-unroll{u}": (
+        "freetoken.kernels.triton.moe_mma", "_mma_down_kernel", _MMA_PTRS,
+        dict(K=768, HIDDEN=2048, BM=16, BN=32, CH=1, UNROLL=u, PDL=False), (), 4)
+    for u in (False, True)
+})
+CASES.update({
     "mma-quant-rows": ("freetoken.kernels.triton.moe_mma", "_quant_rows_kernel", _MMA_PTRS,
                        dict(K=2048, BLOCK=1024), (), 4),
 })

@@ -27,10 +27,14 @@ on an H100 (bench_gpu_kernels.py --moe-mma, 30B shape, weights from HBM, 2026-12
 layer at 2 / 4 / 8 / 16 tokens, per-route 25.4 / 40.2 / 65.4 / 105.4, these kernels at their
 best tiles (64 rows, 4 warps) 69.8 / 94.7 / 147.0 / 214.7 (32 rows 4 warps, 64 x 8 and 128 x 8
 slower still); end to end (ab_env.py, 30B Q4_K fused, batch 16) 2,213.9 -> 1,263.6 tok/s.
-Not yet known where the time goes. Suspects: each 32-value sub-block's tl.dot is one MMA
-k-step followed by an fp32 epilogue over the whole [16, BN] tile (16 padded rows for some
-1.6 routes an expert at 16 tokens), the codes' layout conversion to dot operands, the rolled
-super-block loop, and at 2-4 tokens the launches (the grouping's memset and three kernels).
+Where the time went is not known yet. Suspects:
+- each program ran gate's whole K and then up's in rolled loops: 16 dependent rounds of loads
+  (hidden 2048) against the per-route GEMV's two unrolled chunks; gate and up now share one
+  loop with a chunk's super-blocks unrolled (`_rows_dot`; not measured yet);
+- each 32-value sub-block's tl.dot is one MMA k-step followed by an fp32 epilogue over the
+  whole [16, BN] tile (16 padded rows for some 1.6 routes an expert at 16 tokens);
+- the codes' layout conversion to dot operands;
+- at 2-4 tokens, the launches (the grouping's memset and three kernels).
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ from freetoken.moe.banks import ExpertBank
 
 Q4_K = 13  # format id (formats.py)
 BM = 16  # routes a block (`moe._align`); tl.dot's M
-# (BN, num_warps) of both kernels by default: the best of bench_gpu_kernels.py --moe-mma's
-# (32, 4), (64, 4), (64, 8), (128, 8) at 2-16 tokens on an H100 (module doc)
-MMA_TILES = (64, 4)
+# (BN, num_warps, unroll) of both kernels by default. Measured with gate and up in two rolled
+# loops one after the other (bench_gpu_kernels.py --moe-mma, H100, module doc): 64 rows and 4
+# warps the best of (32, 4), (64, 4), (64, 8), (128, 8). Since, gate and up share one loop and a
+# chunk's super-blocks are unrolled (not measured yet): 32 rows keep a chunk's codes of both
+# (4 super-blocks, 2 x 32 rows x 144 bytes) in registers.
+MMA_TILES = (32, 4, True)
 
 
 def supported_mma(bank: ExpertBank, dtype: torch.dtype) -> bool:
@@ -126,16 +133,35 @@ def _super_block(x_rows, w_rows, n_ok, sb, K: tl.constexpr):
 
 
 @triton.jit
-def _rows_dot(x_rows, w_rows, n_ok, K: tl.constexpr, CH: tl.constexpr):
-    """fp32 [BM, BN]: the rows' dots over K, super-blocks summed per chunk of CH (the per-route
-    GEMV's chunk of 256 CH values), the chunks added in order."""
-    acc = tl.zeros((x_rows.shape[0], w_rows.shape[0]), dtype=tl.float32)
-    for c in tl.range(K // (256 * CH)):  # rolled: the same order of adds, a small program
-        part = tl.zeros((x_rows.shape[0], w_rows.shape[0]), dtype=tl.float32)
-        for s in tl.range(CH):
-            part += _super_block(x_rows, w_rows, n_ok, c * CH + s, K)
-        acc += part
-    return acc
+def _rows_dot(x_rows, wa, wb, n_ok, K: tl.constexpr, CH: tl.constexpr, TWO: tl.constexpr,
+              UNROLL: tl.constexpr):
+    """fp32 [BM, BN] twice: the dots over K of the rows wa and (TWO) wb (else zeros), super-
+    blocks summed per chunk of CH (the per-route GEMV's chunk of 256 CH values), the chunks
+    added in order. Both row sets go through one loop, so their loads are in flight together;
+    UNROLL unrolls a chunk's super-blocks (their loads issued at once), else a rolled loop (a
+    smaller program); the order of the additions is the same either way."""
+    acc_a = tl.zeros((x_rows.shape[0], wa.shape[0]), dtype=tl.float32)
+    acc_b = tl.zeros((x_rows.shape[0], wa.shape[0]), dtype=tl.float32)
+    for c in tl.range(K // (256 * CH)):
+        pa = tl.zeros((x_rows.shape[0], wa.shape[0]), dtype=tl.float32)
+        pb = tl.zeros((x_rows.shape[0], wa.shape[0]), dtype=tl.float32)
+        if UNROLL:
+            for s in tl.static_range(CH):
+                pa, pb = _step(x_rows, wa, wb, n_ok, c * CH + s, K, TWO, pa, pb)
+        else:
+            for s in tl.range(CH):
+                pa, pb = _step(x_rows, wa, wb, n_ok, c * CH + s, K, TWO, pa, pb)
+        acc_a += pa
+        acc_b += pb
+    return acc_a, acc_b
+
+
+@triton.jit
+def _step(x_rows, wa, wb, n_ok, sb, K: tl.constexpr, TWO: tl.constexpr, pa, pb):
+    pa += _super_block(x_rows, wa, n_ok, sb, K)
+    if TWO:
+        pb += _super_block(x_rows, wb, n_ok, sb, K)
+    return pa, pb
 
 
 @triton.jit
@@ -151,7 +177,8 @@ def _mma_gate_up_kernel(xq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr
                         stride_xm, stride_ws, stride_wn, stride_am, stride_bs,
                         K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
                         ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        CH: tl.constexpr, PDL: tl.constexpr = False):
+                        CH: tl.constexpr, UNROLL: tl.constexpr = True,
+                        PDL: tl.constexpr = False):
     """Program (block, row block): a = glu(g s[slot, 0], u s[slot, 1]) of the block's routes
     for the gate rows rn and up rows INTER + rn, stored quantized into their rows of aq
     (`quant_store_rows`; BN a multiple of 32). xq: x's rows quantized (`quant_store`)."""
@@ -165,8 +192,7 @@ def _mma_gate_up_kernel(xq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr
     wg = w_slot + rn.to(tl.int64) * stride_wn
     wu = w_slot + (rn + INTER).to(tl.int64) * stride_wn
     x_rows = xq_ptr + (routes // TOPK).to(tl.int64) * stride_xm
-    acc_g = _rows_dot(x_rows, wg, n_ok, K, CH)
-    acc_u = _rows_dot(x_rows, wu, n_ok, K, CH)
+    acc_g, acc_u = _rows_dot(x_rows, wg, wu, n_ok, K, CH, True, UNROLL)
     s = bank_s_ptr + slot * stride_bs
     a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     quant_store_rows(a, aq_ptr + routes.to(tl.int64) * stride_am, tl.program_id(1) * BN, r_ok,
@@ -177,7 +203,8 @@ def _mma_gate_up_kernel(xq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr
 def _mma_down_kernel(aq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
                      y_ptr, R, stride_am, stride_ws, stride_wn, stride_ym, stride_bs,
                      K: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, CH: tl.constexpr, PDL: tl.constexpr = False):
+                     BN: tl.constexpr, CH: tl.constexpr, UNROLL: tl.constexpr = True,
+                     PDL: tl.constexpr = False):
     """Program (block, row block): y[r, rn] = (a_r Wd^T) s[slot, 2] route_weight[r] for the
     block's routes r, fp32, a read as `_mma_gate_up_kernel` quantized it."""
     wait(PDL)  # pdl.py: the kernel before has completed
@@ -187,7 +214,8 @@ def _mma_down_kernel(aq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, r
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = rn < HIDDEN
     w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn.to(tl.int64) * stride_wn
-    acc = _rows_dot(aq_ptr + routes.to(tl.int64) * stride_am, w_rows, n_ok, K, CH)
+    acc, _ = _rows_dot(aq_ptr + routes.to(tl.int64) * stride_am, w_rows, w_rows, n_ok, K, CH,
+                       False, UNROLL)
     r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
     y = acc * tl.load(bank_s_ptr + slot * stride_bs + 2) * r_w[:, None]
     out = y_ptr + routes[:, None].to(tl.int64) * stride_ym + rn[None, :]
@@ -207,18 +235,20 @@ def _chunks(bank: ExpertBank, dtype: torch.dtype, tokens: int) -> tuple[int, int
 def fused_moe_mma(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, activation: str = "silu",
                   expert_map: torch.Tensor | None = None,
-                  tiles: tuple[int, int] | None = None) -> torch.Tensor:
+                  tiles: tuple[int, ...] | None = None) -> torch.Tensor:
     """`moe.fused_moe_triton`'s contract ([T, H] in x.dtype) for banks `supported_mma` takes:
     routes grouped by slot in blocks of BM (`moe._align`), gate/up and down in int8 tensor-core
     dots, one program per (block, row block), each expert's rows read once per block of its
-    routes. `tiles` (BN, num_warps) of both kernels, BN a multiple of 32 (default MMA_TILES)."""
+    routes. `tiles` (BN, num_warps[, unroll]) of both kernels, BN a multiple of 32, unroll
+    (default true) a chunk's super-blocks unrolled (`_rows_dot`); default MMA_TILES."""
     from freetoken.kernels.triton.moe import _ACT, _align, _sum_routes_kernel
 
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     if not supported_mma(bank, x.dtype):
         raise ValueError("fused_moe_mma: both banks must be Q4_K, x 16-bit with int8 dots on")
-    bn, warps = tiles or MMA_TILES
+    bn, warps, *rest = tiles or MMA_TILES
+    unroll = bool(rest[0]) if rest else True
     if bn % 32 or bn < 32:
         raise ValueError(f"fused_moe_mma: BN={bn} must be a multiple of 32")
     t, topk = topk_ids.shape
@@ -243,14 +273,14 @@ def fused_moe_mma(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     _mma_gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         q, w13, scales, route_ids, block_slot, aq, r, q.stride(0), w13.stride(0),
         w13.stride(1), aq.stride(0), sb, K=h, INTER=inter, TOPK=topk, ACT=_ACT[activation],
-        BM=BM, BN=bn, CH=ch13, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+        BM=BM, BN=bn, CH=ch13, UNROLL=unroll, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     # a route whose expert maps to -1 (computed elsewhere) is in no block: its row reads zero
     y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
                                                               device=x.device)
     _mma_down_kernel[(nb, triton.cdiv(h, bn))](
         aq, w2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
         aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), sb, K=inter, HIDDEN=h, BM=BM,
-        BN=bn, CH=ch2, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+        BN=bn, CH=ch2, UNROLL=unroll, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                    num_warps=4, **pdl.opts())
