@@ -47,6 +47,14 @@ from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.formats import format_id
 from freetoken.kernels.triton.gemv_i8 import quant_store, quant_store_rows, use_i8, xq_len
 from freetoken.kernels.triton.linear import weight_args, xq_rows
+from freetoken.kernels.triton.moe import (
+    _ACT,
+    _align,
+    _block_routes,
+    _down_i8_tiles,
+    _i8_tiles,
+    _sum_routes_kernel,
+)
 from freetoken.kernels.triton.moe_grouped import glu
 from freetoken.kernels.triton.pdl import wait
 from freetoken.kernels.triton.quant import _f16_bits
@@ -165,11 +173,14 @@ def _step(x_rows, wa, wb, n_ok, sb, K: tl.constexpr, TWO: tl.constexpr, pa, pb):
 
 
 @triton.jit
-def _block(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr):
-    pid_b = tl.program_id(0)
-    routes = tl.load(route_ids_ptr + pid_b * BM + tl.arange(0, BM))
-    r_ok = routes < R
-    return tl.load(block_slot_ptr + pid_b), tl.where(r_ok, routes, 0), r_ok
+def _block(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr, BN: tl.constexpr, N):
+    """Program (block, row block): its slot and routes (`moe._block_routes`, padding routes
+    read as route 0: the activation loads are not masked, their results are), whether each is
+    a route, its BN rows of N and whether each is a row."""
+    slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, block_slot_ptr, R, BM,
+                                       False)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    return slot, tl.where(r_ok, routes, 0), r_ok, rn, rn < N
 
 
 @triton.jit
@@ -183,11 +194,9 @@ def _mma_gate_up_kernel(xq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr
     for the gate rows rn and up rows INTER + rn, stored quantized into their rows of aq
     (`quant_store_rows`; BN a multiple of 32). xq: x's rows quantized (`quant_store`)."""
     wait(PDL)  # pdl.py: the kernel before has completed
-    slot, routes, r_ok = _block(route_ids_ptr, block_slot_ptr, R, BM)
+    slot, routes, r_ok, rn, n_ok = _block(route_ids_ptr, block_slot_ptr, R, BM, BN, INTER)
     if slot < 0:
         return
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = rn < INTER
     w_slot = w_ptr + slot.to(tl.int64) * stride_ws
     wg = w_slot + rn.to(tl.int64) * stride_wn
     wu = w_slot + (rn + INTER).to(tl.int64) * stride_wn
@@ -208,11 +217,9 @@ def _mma_down_kernel(aq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, r
     """Program (block, row block): y[r, rn] = (a_r Wd^T) s[slot, 2] route_weight[r] for the
     block's routes r, fp32, a read as `_mma_gate_up_kernel` quantized it."""
     wait(PDL)  # pdl.py: the kernel before has completed
-    slot, routes, r_ok = _block(route_ids_ptr, block_slot_ptr, R, BM)
+    slot, routes, r_ok, rn, n_ok = _block(route_ids_ptr, block_slot_ptr, R, BM, BN, HIDDEN)
     if slot < 0:
         return
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = rn < HIDDEN
     w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn.to(tl.int64) * stride_wn
     acc, _ = _rows_dot(aq_ptr + routes.to(tl.int64) * stride_am, w_rows, w_rows, n_ok, K, CH,
                        False, UNROLL)
@@ -225,10 +232,8 @@ def _mma_down_kernel(aq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, r
 def _chunks(bank: ExpertBank, dtype: torch.dtype, tokens: int) -> tuple[int, int]:
     """Super-blocks per fp32 partial sum of gate/up and down: the per-route int8 GEMV's chunks
     at this size (`moe._i8_tiles`, `_down_i8_tiles`; the same association, the same bits)."""
-    from freetoken.kernels.triton import moe
-
-    up = moe._i8_tiles(Q4_K, bank.hidden, dtype, None, tokens)
-    down = moe._down_i8_tiles(Q4_K, bank.intermediate, dtype, None, tokens)
+    up = _i8_tiles(Q4_K, bank.hidden, dtype, None, tokens)
+    down = _down_i8_tiles(Q4_K, bank.intermediate, dtype, None, tokens)
     return (up[1] // 256 if up else 1), (down[1] // 256 if down else 1)
 
 
@@ -241,8 +246,6 @@ def fused_moe_mma(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     dots, one program per (block, row block), each expert's rows read once per block of its
     routes. `tiles` (BN, num_warps[, unroll]) of both kernels, BN a multiple of 32, unroll
     (default true) a chunk's super-blocks unrolled (`_rows_dot`); default MMA_TILES."""
-    from freetoken.kernels.triton.moe import _ACT, _align, _sum_routes_kernel
-
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     if not supported_mma(bank, x.dtype):
