@@ -150,7 +150,7 @@ def bench_moe(fmt: str, tokens: list[int], hbm: float, e: int = 128, h: int = 20
     emap = torch.arange(e, dtype=torch.int32, device="cuda")  # the slot indirection, identity
     for t in tokens:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-        ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+        ids = routing(t, e, topk)
         w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
         touched = int(torch.unique(ids).numel())
         eager, graph = time_call(
@@ -243,7 +243,7 @@ def sweep(fmt: str, hbm: float, tokens: tuple[int, ...] = (1, 16, 512), e: int =
         if 1 < m <= 16 and _i8(fmt):
             tiles += [(1, bn, bk, w) for bn, bk, w in I8_ROUTE_TILES]
         xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _, k, _ in dense}
-        ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)])
+        ids = routing(m, e, topk)
         w = torch.softmax(torch.randn(m, topk, device="cuda"), -1)
         xm = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         moe_bytes = int(torch.unique(ids).numel()) * per_expert
@@ -348,7 +348,7 @@ def bench_moe_grouped(tokens: tuple[int, ...] = (4, 8, 16), e: int = 128, h: int
             torch.manual_seed(t)
             xr = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
             x = kernels.rms_norm(xr, nw, 1e-6, quantize=True)  # the codes attached, as at decode
-            ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+            ids = routing(t, e, topk)
             w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
             call = functools.partial(fused_moe_triton, x, bank, ids, w, "silu", emap)
             eager, graph = time_call(lambda call=call: call(grouped=False))
@@ -381,8 +381,7 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
         x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw, 1e-6,
                              quantize=True)  # the codes attached, as at decode
         rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
-        idss = [torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
-                for _ in range(64)]
+        idss = [routing(t, e, topk) for _ in range(64)]
         route = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw, "silu")
                            for ids in idss])
         cells, best = [], None
@@ -423,8 +422,7 @@ def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 
                                  1e-6, quantize=True)
             w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
             cases = {
-                "random": torch.stack([torch.randperm(e, device="cuda")[:topk]
-                                       for _ in range(t)]),
+                "random": routing(t, e, topk),
                 "same 8": torch.arange(topk, device="cuda").repeat(t, 1),
                 "distinct": (torch.arange(t * topk, device="cuda") % e).reshape(t, topk),
             }
@@ -455,7 +453,7 @@ def profile_step_kernels(t: int, e: int = 128, h: int = 2048, inter: int = 768,
     xr = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     x = kernels.rms_norm(xr, nw, 1e-6, quantize=True)  # the codes attached, as at decode
     xa = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
-    ids = torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+    ids = routing(t, e, topk)
     w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
     # decode attention over 128 keys a sequence (the 30B's 32 query and 4 KV heads of 128,
     # bf16 pages of 16)
@@ -521,6 +519,12 @@ def bench_router(e: int = 128, h: int = 2048) -> None:
         print(f"router {t:2d} tokens: " + " | ".join(cells), flush=True)
 
 
+def routing(t: int, e: int, topk: int) -> torch.Tensor:
+    """Random top-k expert ids [t, topk] on the GPU, distinct within each token (uniform
+    routing, as random weights route)."""
+    return torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+
+
 def cycled_ms(fns: list) -> float:
     """ms per call of a list of calls (each on other weights), all captured in one CUDA graph
     and replayed: with more bytes among them than L2 holds, each call reads from HBM as in a
@@ -583,8 +587,7 @@ def bench_hbm_tiles(fmt: str = "Q8_0s", tokens: tuple[int, ...] = (1,), moe_fmt:
             print(f"hbm {fmt} {name} {n}x{k} m={m}, us HBM (L2-hot): {cells}", flush=True)
         x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
         rw = torch.softmax(torch.randn(m, topk, device="cuda"), -1)
-        idss = [torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)])
-                for _ in range(64)]
+        idss = [routing(m, e, topk) for _ in range(64)]
         dflt = _i8_tiles(format_id(bank.w13), h, torch.bfloat16, None, m)
         default = None if dflt is None else (1, *dflt[:3])
         cand = [(2, 1024, 1), (4, 1024, 2), (8, 1024, 4), (16, 1024, 4), (16, 512, 4),
