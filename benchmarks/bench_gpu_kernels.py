@@ -174,8 +174,10 @@ I8_TILES = [(2, 1024, 1), (4, 512, 2), (4, 1024, 2), (4, 2048, 4), (8, 256, 4), 
 # FREETOKEN_GPU_MOE_ROUTE_TILES sets end to end): wider row blocks, fewer programs per route
 I8_ROUTE_TILES = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 4), (32, 1024, 8), (64, 1024, 4),
                   (64, 1024, 8), (32, 512, 4), (64, 512, 8), (128, 1024, 8)]
-# (BN, num_warps, unroll) of the int8 tensor-core MoE kernels timed by --moe-mma
-MMA_SWEEP = [(32, 4, True), (64, 4, True), (32, 4, False), (64, 4, False), (64, 8, True)]
+# (form, tiles) of the tensor-core MoE kernels timed by --moe-mma: the int8 form's (BN,
+# num_warps, unroll), the fp16 form's (BN, num_warps)
+MMA_SWEEP = [("i8", (32, 4, True)), ("i8", (64, 4, True)), ("f16", (64, 4)), ("f16", (128, 8)),
+             ("f16", (32, 4)), ("f16", (128, 4))]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
@@ -366,16 +368,16 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
     """One MoE layer of Qwen3-30B-A3B's shape (Q4_K, bf16 x quantized by the RMSNorm before it)
     at 2-16 tokens, the weights from HBM (64 random routings cycled in one CUDA graph, as
     `bench_hbm_tiles`): the per-route int8 GEMVs (today's default) against the int8
-    tensor-core kernels (`moe_mma.py`) at each (BN, num_warps, unroll) of MMA_SWEEP. us a layer,
-    one line per token count; the best tile last."""
+    tensor-core kernels (`moe_mma.py`) at each form and tiles of MMA_SWEEP. us a layer, one
+    line per token count; the best last."""
     from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
     from freetoken.kernels.triton.moe_mma import fused_moe_mma
 
     bank = random_bank("Q4_K", e, h, inter)
     nw = torch.rand(h, device="cuda") + 0.5
-    print(f"{'T':>3s} {'per-route us':>12s}  " + "  ".join(f"{str(t):>16s}" for t in MMA_SWEEP)
-          + "   best (BN, warps, unroll)")
+    print(f"{'T':>3s} {'per-route us':>12s}  "
+          + "  ".join(f"{f + str(t):>16s}" for f, t in MMA_SWEEP) + "   best (form, tiles)")
     for t in tokens:
         torch.manual_seed(t)
         x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw, 1e-6,
@@ -385,16 +387,16 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
         route = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw, "silu")
                            for ids in idss])
         cells, best = [], None
-        for tile in MMA_SWEEP:
+        for form, tile in MMA_SWEEP:
             try:
                 ms = cycled_ms([functools.partial(fused_moe_mma, x, bank, ids, rw, "silu",
-                                                  None, tile) for ids in idss])
+                                                  None, tile, form) for ids in idss])
             except Exception as err:  # noqa: BLE001 - one failing tile must not end the sweep
                 cells.append(f"{type(err).__name__:>16s}")
                 continue
             cells.append(f"{ms * 1e3:7.1f} ({route / ms:4.2f}x)")
             if best is None or ms < best[1]:
-                best = (tile, ms)
+                best = ((form, tile), ms)
         tail = f"   {best[0]} {best[1] * 1e3:.1f} us" if best else ""
         print(f"{t:3d} {route * 1e3:12.1f}  " + "  ".join(cells) + tail, flush=True)
 

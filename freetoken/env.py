@@ -296,11 +296,22 @@ def gpu_moe_grouped() -> tuple[int, int] | None:
 
 def gpu_moe_mma() -> tuple[int, int] | None:
     """FREETOKEN_GPU_MOE_MMA=LO-HI (2-16, say): the steps of LO to HI tokens at which the fused
-    MoE runs the int8 tensor-core kernels for Q4_K banks (routes grouped by expert in blocks,
-    each expert's codes multiplied as int8 by tl.dot: `kernels/triton/moe_mma.py`) instead of
-    its other paths, where both banks are Q4_K and x takes int8 dots; 0: never, read as the
+    MoE runs the tensor-core kernels for Q4_K banks (routes grouped by expert in blocks, each
+    expert's codes multiplied by tl.dot as int8 or decoded to fp16, FREETOKEN_GPU_MOE_MMA_FORM:
+    `kernels/triton/moe_mma.py`) instead of its other paths, where both banks are Q4_K and x
+    is one the form takes; 0: never, read as the
     empty span (0, 0). Unset or empty: None, off (an opt-in until measured). 1 <= LO <= HI."""
     return _span("FREETOKEN_GPU_MOE_MMA", "2-16")
+
+
+def gpu_moe_mma_form() -> str | None:
+    """FREETOKEN_GPU_MOE_MMA_FORM=i8|f16: how those kernels multiply (`moe_mma.FORMS`): the
+    4-bit codes as int8 against x's int8 codes, or decoded to fp16 against x in fp16. Unset or
+    empty: None (`moe_mma.MMA_FORM`)."""
+    v = os.environ.get("FREETOKEN_GPU_MOE_MMA_FORM", "").strip()
+    if v and v not in ("i8", "f16"):
+        raise ValueError(f"FREETOKEN_GPU_MOE_MMA_FORM={v!r}: expected i8 or f16")
+    return v or None
 
 
 def _span(name: str, example: str) -> tuple[int, int] | None:

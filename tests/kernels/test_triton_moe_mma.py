@@ -43,6 +43,7 @@ from freetoken.kernels.triton import moe_mma  # noqa: E402
 from freetoken.kernels.triton.moe import fused_moe_triton  # noqa: E402
 from freetoken.kernels.triton.moe_mma import fused_moe_mma, supported_mma  # noqa: E402
 from freetoken.moe.banks import ExpertBank  # noqa: E402
+from freetoken.moe.reference import glu  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -152,6 +153,84 @@ def test_mma_within_float64_bound(tokens, topk, hot, act, mapped, tiles):
     assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
 
 
+def _q4_k_f16(qw) -> torch.Tensor:
+    """float64 of the fp16 values the fp16 form multiplies (module doc): per value q s16 - m16
+    (exact in float64) rounded once to fp16, s16 = fp16(d sc), m16 = fp16(dmin mn) (d sc and
+    dmin mn exact in fp32: 11 by 6 bits); llama.cpp's layout: d, dmin, 12 scale bytes, 128
+    code bytes a 256-value super-block. [*lead, n, k]."""
+    n, k = qw.shape[-2:]
+    b = qw.data.cpu().reshape(-1, k // 256, 144).to(torch.int64)  # [rows, super-blocks, 144]
+    d = b[..., 0:2].to(torch.uint8).contiguous().view(torch.float16).double()  # [rows, sb, 1]
+    dmin = b[..., 2:4].to(torch.uint8).contiguous().view(torch.float16).double()
+    sc = b[..., 4:16]
+    lo = torch.cat([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)
+    codes = b[..., 16:].reshape(*b.shape[:2], 4, 1, 32)  # pair g, byte l
+    q = torch.cat([codes & 15, codes >> 4], 3).reshape(*b.shape[:2], 8, 32)  # sub-block 2g + h
+    s16 = (d * lo.double()).half().double()[..., None]
+    m16 = (dmin * mn.double()).half().double()[..., None]
+    return (q.double() * s16 - m16).half().double().reshape(*qw.shape[:-2], n, k)
+
+
+def _f16_reference(x, bank, ids, rw, emap, act):
+    """float64 (result [T, H], tolerance [T, H]) of the fp16 form on its own values: the
+    weights as `_q4_k_f16` rounds them, x exact (bf16 values in fp16's range are fp16
+    values), a rounded to fp16 (where a float64 a lies within 1e-5 of its size of a rounding
+    midpoint, the kernel's fp32 a may round the other way: one fp16 step of it allowed), fp32
+    sums off by at most 1e-5 of the sum of their terms' magnitudes (as `_moe_reference`)."""
+    w13, w2 = _q4_k_f16(bank.w13), _q4_k_f16(bank.w2)
+    s = bank.scales.double()
+    inter = w2.shape[-1]
+    t_n, h = x.shape
+    ref, tol = (torch.zeros(t_n, h, dtype=torch.float64) for _ in range(2))
+    xd = x.double()
+    for t in range(t_n):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if emap[e] < 0:
+                continue
+            hh = w13[e] @ xd[t]
+            err = 1e-5 * (w13[e].abs() @ xd[t].abs()) * s[e, :2].repeat_interleave(inter)
+            g, u = hh[:inter] * s[e, 0], hh[inter:] * s[e, 1]
+            eg, eu = err[:inter], err[inter:]
+            a = glu(g, u, act)
+            ea = 1.13 * eg * (u.abs() + eu) + glu(g, torch.ones_like(u), act).abs() * eu
+            a16 = a.half().double()
+            step = (torch.nextafter(a16.half(), torch.tensor(float("inf")).half()).double()
+                    - a16).abs()  # fp16's step at a
+            near = ((a - a16).abs() - step / 2).abs() <= ea + 1e-5 * a.abs()
+            r = float(rw[t, j]) * s[e, 2]
+            ref[t] += r * (w2[e] @ a16)
+            tol[t] += abs(r) * (w2[e].abs() @ (ea + near * step + 1e-5 * a16.abs()))
+    return ref, tol
+
+
+# (tokens, top-k, hot experts, activation, experts mapped to -1, tiles)
+F16_CASES = [(2, 2, E, "silu", 0, None), (16, 4, 6, "gelu_tanh", 2, (32, 4)),
+             (24, 4, 5, "silu", 1, (128, 8))]
+
+
+@pytest.mark.parametrize("tokens,topk,hot,act,mapped,tiles", F16_CASES)
+def test_f16_within_float64_bound(tokens, topk, hot, act, mapped, tiles):
+    """The fp16 form against float64 math on its own fp16 values (`_f16_reference`), plus the
+    output's rounding to bf16; on CUDA through its PTX, in the interpreter through the fp32
+    arithmetic that rounds the same values once. The bound is tight (the largest error has
+    been 0.78-0.91 of it): a kernel that rounded the weights otherwise, or dropped a
+    sub-block, would not pass."""
+    host, bank = _bank(tokens + topk + hot + 1)
+    x, ids, w = _case(tokens, topk, hot, 3 * tokens + 1)
+    emap = _map(ids, mapped) if mapped else None
+    assert supported_mma(bank, x.dtype, "f16")
+    y = fused_moe_mma(x.to(DEV), bank, ids.to(DEV), w.to(DEV), act,
+                      None if emap is None else emap.to(DEV), tiles, "f16").double().cpu()
+    full = torch.arange(E, dtype=torch.int32) if emap is None else emap
+    ref, tol = _f16_reference(x.float(), host, ids, w, full, act)
+    tol = tol + BF16_OUT * ref.abs() + 1e-30
+    err = (y - ref).abs()
+    assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
+    # the bound is not loose enough to pass a kernel that drops a sub-block's terms
+
+
 def test_mma_reads_attached_codes():
     """x's codes from the RMSNorm (`kernels.xq.attach`) are read as they are, the same bits as
     quantizing x here; codes that are not x's change the output (so they are read)."""
@@ -209,6 +288,35 @@ def test_mma_switch_and_support(monkeypatch):
     with pytest.raises(LookupError):  # Q6_K down: not taken
         fused_moe_triton(x.to(DEV), mixed, ids.to(DEV), w.to(DEV))
     del host
+
+
+def test_mma_form_switch(monkeypatch):
+    """FREETOKEN_GPU_MOE_MMA_FORM picks the form fused_moe_mma runs (unset: MMA_FORM); a
+    value that is neither form is an error naming the switch. The fp16 form takes a 16-bit x
+    with the int8 dots switched off too, never fp32 (there the fp32 paths are the reference)."""
+    name = "FREETOKEN_GPU_MOE_MMA_FORM"
+    _, bank = _bank(4)
+    monkeypatch.setenv(name, "f8")
+    with pytest.raises(ValueError, match=name):
+        env.gpu_moe_mma_form()
+    monkeypatch.setenv("FREETOKEN_GPU_INT8_DOT", "0")
+    assert supported_mma(bank, torch.bfloat16, "f16")
+    assert not supported_mma(bank, torch.bfloat16, "i8")
+    assert not supported_mma(bank, torch.float32, "f16")
+    monkeypatch.delenv("FREETOKEN_GPU_INT8_DOT")
+    ran = []
+    monkeypatch.setattr(moe_mma, "_fused_f16", lambda *a: ran.append("f16") or "f16")
+    x, ids, w = _case(2, 2, 4, 0)
+    args = (x.to(DEV), bank, ids.to(DEV), w.to(DEV))
+    for value, want in (("f16", "f16"), ("i8", "i8"), (None, moe_mma.MMA_FORM)):
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+        out = fused_moe_mma(*args)
+        assert (out == "f16") == (want == "f16")
+    with pytest.raises(ValueError, match="form"):
+        fused_moe_mma(*args, form="f8")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,20 @@ on an H100 (bench_gpu_kernels.py --moe-mma, 30B shape, weights from HBM, 2026-12
 layer at 2 / 4 / 8 / 16 tokens, per-route 25.4 / 40.2 / 65.4 / 105.4, these kernels at their
 best tiles (64 rows, 4 warps) 69.8 / 94.7 / 147.0 / 214.7 (32 rows 4 warps, 64 x 8 and 128 x 8
 slower still); end to end (ab_env.py, 30B Q4_K fused, batch 16) 2,213.9 -> 1,263.6 tok/s.
-Where the time went is not known yet. Suspects:
+The "f16" form (FREETOKEN_GPU_MOE_MMA_FORM=f16; `_f16_*` kernels) takes the ALU out of the
+way instead: the codes are decoded to fp16 in registers by inline PTX (`_NIBBLES_F16`: a byte
+permute puts each nibble under fp16's exponent of 1024, 1024 is taken away, q s - m in one
+fused multiply-add; two values a register) and multiplied with x in fp16 on the tensor cores,
+the expert's rows as M and the block's routes as N (wgmma's M is 64 rows), the Q4_K scales
+folded into the values, so no epilogue per sub-block. Codes are loaded as 16-bit words, which
+the dot operand's layout holds in pairs: even and odd bytes become separate K = 16 tiles, x's
+columns taken in the same order. In its sm_90 SASS (compiled here, tiles 128 rows x 4 warps)
+a weight costs about 3.8 instructions, 2 of them the decode, the rest the scales (computed by
+each of the 4 threads that hold a row), the wgmma fences and the loads. Its values: each
+weight rounded once to fp16 from q s16 - m16 (s16, m16 the sub-block's scale and min rounded
+to fp16), x exact (bf16 values in fp16's range are fp16 values; beyond it they saturate), the
+GLU output stored in fp16, fp32 accumulation. Not timed on a GPU yet.
+Where the int8 form's time went is not known yet. Suspects:
 - each program ran gate's whole K and then up's in rolled loops: 16 dependent rounds of loads
   (hidden 2048) against the per-route GEMV's two unrolled chunks; gate and up now share one
   loop with a chunk's super-blocks unrolled (`_rows_dot`; not measured yet);
@@ -43,9 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken import env
 from freetoken.kernels.triton import pdl
 from freetoken.kernels.triton.formats import format_id
-from freetoken.kernels.triton.gemv_i8 import quant_store, quant_store_rows, use_i8, xq_len
+from freetoken.kernels.triton.gemv_i8 import asm, quant_store, quant_store_rows, use_i8, xq_len
 from freetoken.kernels.triton.linear import weight_args, xq_rows
 from freetoken.kernels.triton.moe import (
     _ACT,
@@ -68,13 +82,21 @@ BM = 16  # routes a block (`moe._align`); tl.dot's M
 # chunk's super-blocks are unrolled (not measured yet): 32 rows keep a chunk's codes of both
 # (4 super-blocks, 2 x 32 rows x 144 bytes) in registers.
 MMA_TILES = (32, 4, True)
+# (BN, num_warps) of the fp16 form's kernels by default: fewest instructions a weight of (32, 4),
+# (64, 4), (64, 8), (128, 4), (128, 8) in their sm_90 SASS (4.1 against 4.4-12; not timed yet)
+F16_TILES = (128, 4)
+FORMS = ("i8", "f16")
+MMA_FORM = "i8"  # the form FREETOKEN_GPU_MOE_MMA runs where FREETOKEN_GPU_MOE_MMA_FORM is unset
 
 
-def supported_mma(bank: ExpertBank, dtype: torch.dtype) -> bool:
-    """Both banks Q4_K, an activation the int8 dots take (`gemv_i8.use_i8`: 16-bit, the switch
-    on), hidden and expert width in whole super-blocks."""
-    return (format_id(bank.w13) == Q4_K and format_id(bank.w2) == Q4_K
-            and use_i8(Q4_K, dtype) and bank.hidden % 256 == 0 and bank.intermediate % 256 == 0)
+def supported_mma(bank: ExpertBank, dtype: torch.dtype, form: str | None = None) -> bool:
+    """Both banks Q4_K, hidden and expert width in whole super-blocks, and an activation the
+    form takes (None: the form `fused_moe_mma` would run): "f16" a 16-bit x, "i8" one the
+    int8 dots take (`gemv_i8.use_i8`: 16-bit, the switch on)."""
+    form = form or env.gpu_moe_mma_form() or MMA_FORM
+    ok_x = (dtype in (torch.bfloat16, torch.float16)) if form == "f16" else use_i8(Q4_K, dtype)
+    return (format_id(bank.w13) == Q4_K and format_id(bank.w2) == Q4_K and ok_x
+            and bank.hidden % 256 == 0 and bank.intermediate % 256 == 0)
 
 
 @triton.jit
@@ -174,13 +196,15 @@ def _step(x_rows, wa, wb, n_ok, sb, K: tl.constexpr, TWO: tl.constexpr, pa, pb):
 
 @triton.jit
 def _block(route_ids_ptr, block_slot_ptr, R, BM: tl.constexpr, BN: tl.constexpr, N):
-    """Program (block, row block): its slot and routes (`moe._block_routes`, padding routes
-    read as route 0: the activation loads are not masked, their results are), whether each is
-    a route, its BN rows of N and whether each is a row."""
+    """Program (block, row block): its slot and routes (`moe._block_routes`; padding routes
+    read as the block's first route, always a route of this slot, whose rows this layer
+    writes: the activation loads are not masked, their results are), whether each is a
+    route, its BN rows of N and whether each is a row."""
     slot, routes, r_ok = _block_routes(route_ids_ptr, block_slot_ptr, block_slot_ptr, R, BM,
                                        False)
+    first = tl.load(route_ids_ptr + tl.program_id(0) * BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    return slot, tl.where(r_ok, routes, 0), r_ok, rn, rn < N
+    return slot, tl.where(r_ok, routes, first), r_ok, rn, rn < N
 
 
 @triton.jit
@@ -229,6 +253,211 @@ def _mma_down_kernel(aq_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, r
     tl.store(out, y, mask=r_ok[:, None] & n_ok[None, :])
 
 
+# -- fp16 form: the codes decoded to fp16 in registers, fp16 tensor-core dots ---------------------
+# Two 16-bit words of Q4_K codes (bytes b0 b1 | b2 b3) -> their 8 values in fp16, 2 a register:
+# (lo b0, lo b2), (lo b1, lo b3), (hi b0, hi b2), (hi b1, hi b3) (lo: the low nibbles, sub-block
+# 2g; hi: the high ones, 2g + 1). Each nibble q is put under fp16's exponent of 1024 by a byte
+# permute (0x640q is 1024 + q exactly), 1024 taken away (exact), then q s - m in one fused
+# multiply-add (rounded once): about two instructions a value.
+_NIBBLES_F16 = tl.constexpr("""{
+.reg .b32 t, a, b, k;
+mov.b32 k, 0x64006400;
+and.b32 t, $4, 0x0F0F0F0F;
+prmt.b32 a, t, 0x64646464, 0x4240;
+prmt.b32 b, t, 0x64646464, 0x4341;
+sub.f16x2 a, a, k;
+sub.f16x2 b, b, k;
+fma.rn.f16x2 $0, a, $5, $6;
+fma.rn.f16x2 $1, b, $5, $6;
+shr.b32 t, $4, 4;
+and.b32 t, t, 0x0F0F0F0F;
+prmt.b32 a, t, 0x64646464, 0x4240;
+prmt.b32 b, t, 0x64646464, 0x4341;
+sub.f16x2 a, a, k;
+sub.f16x2 b, b, k;
+fma.rn.f16x2 $2, a, $7, $8;
+fma.rn.f16x2 $3, b, $7, $8;
+}""")
+
+
+@triton.jit
+def _nib(v, s, nm):
+    """fp16 of v s + nm (v a nibble, s and nm fp16) rounded once: v s is exact in fp32 (4 by
+    11 bits) and so, but for far-apart exponents, is v s + nm."""
+    return (v.to(tl.float32) * s.to(tl.float32) + nm.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def _nibbles_f16(q, s_lo, nm_lo, s_hi, nm_hi, ASM: tl.constexpr):
+    """q int16 [BN, 16] (code bytes 2i, 2i + 1), s and nm fp16 (nm = -m): fp16 [BN, 16] (lo
+    of the even bytes, lo of the odd, hi of the even, hi of the odd), lo = (b & 15) s_lo +
+    nm_lo, hi = (b >> 4) s_hi + nm_hi, each rounded once from its exact value. With ASM the
+    PTX above; without (Triton's interpreter) the same values through fp32 (`_nib`)."""
+    if ASM:
+        le, lo, he, ho = tl.inline_asm_elementwise(
+            _NIBBLES_F16, "=r,=r,=r,=r,r,r,r,r,r", [q, s_lo, nm_lo, s_hi, nm_hi],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        w = q.to(tl.int32) & 0xFFFF
+        le = _nib(w & 15, s_lo, nm_lo)
+        lo = _nib((w >> 8) & 15, s_lo, nm_lo)
+        he = _nib((w >> 4) & 15, s_hi, nm_hi)
+        ho = _nib(w >> 12, s_hi, nm_hi)
+    return le, lo, he, ho
+
+
+@triton.jit
+def _f16_act(p):
+    """fp16 of the 16-bit activations at p (saturated at fp16's largest finite value: bf16
+    values in range convert exactly, an fp16 x as it is). Unmasked: a block's padding routes
+    read its first route's row (`_block`), and a transposed product's column depends on its
+    own route's column only, so theirs are computed and not stored."""
+    if p.dtype.element_ty == tl.float16:
+        v = tl.load(p)
+    else:
+        v = tl.load(p).to(tl.float32)
+        v = tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16)
+    return v
+
+
+@triton.jit
+def _scale_pair(sc, mn, at: tl.constexpr, d, dmin):
+    """fp16 [BN, 1] (s, -m) of the sub-block whose scale and min are byte `at` of sc and mn:
+    s = d sc and m = dmin mn in fp32 (the codec's products), each rounded to fp16."""
+    s = (d * _byte(sc, at)).to(tl.float16)[:, None]
+    nm = (-(dmin * _byte(mn, at))).to(tl.float16)[:, None]
+    return s, nm
+
+
+@triton.jit
+def _f16_codes(w_rows, n_ok, sb, ASM: tl.constexpr):
+    """The rows w_rows' super-block sb in fp16 (`_nibbles_f16`): 16 tiles [BN, 16], for each
+    pair g of sub-blocks (2g, 2g + 1) the values at k = 64g + 2i, 64g + 2i + 1, 64g + 32 + 2i,
+    64g + 32 + 2i + 1 (i < 16)."""
+    BN: tl.constexpr = w_rows.shape[0]
+    blk = w_rows + sb * 144
+    head = tl.load(blk.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, 4)[None, :],
+                   mask=n_ok[:, None], other=0)  # [BN, 4]: d | dmin << 16, scale bytes
+    h02, h13 = tl.split(tl.reshape(head, (BN, 2, 2)))
+    w0, w2 = tl.split(h02)
+    w1, w3 = tl.split(h13)
+    sc4 = w1 & 0x3F3F3F3F  # sub-blocks 0-3's scales, a byte each
+    sc8 = (w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030)  # 4-7
+    mn4 = w2 & 0x3F3F3F3F
+    mn8 = ((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030)
+    d = _f16_bits(w0 & 0xFFFF)
+    dmin = _f16_bits((w0 >> 16) & 0xFFFF)
+    words = blk.to(tl.pointer_type(tl.int16))[:, None] + tl.arange(0, 16)[None, :]
+    m = n_ok[:, None]
+    a0, a1, a2, a3 = _pair_f16(tl.load(words + 8, mask=m, other=0), sc4, mn4, 0, d, dmin, ASM)
+    b0, b1, b2, b3 = _pair_f16(tl.load(words + 24, mask=m, other=0), sc4, mn4, 2, d, dmin,
+                               ASM)
+    c0, c1, c2, c3 = _pair_f16(tl.load(words + 40, mask=m, other=0), sc8, mn8, 0, d, dmin,
+                               ASM)
+    e0, e1, e2, e3 = _pair_f16(tl.load(words + 56, mask=m, other=0), sc8, mn8, 2, d, dmin,
+                               ASM)
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3
+
+
+@triton.jit
+def _pair_f16(q, sc, mn, at: tl.constexpr, d, dmin, ASM: tl.constexpr):
+    s_lo, nm_lo = _scale_pair(sc, mn, at, d, dmin)
+    s_hi, nm_hi = _scale_pair(sc, mn, at + 1, d, dmin)
+    return _nibbles_f16(q, s_lo, nm_lo, s_hi, nm_hi, ASM)
+
+
+@triton.jit
+def _f16_acts(xT_rows, sb):
+    """x^T's super-block sb in fp16 (`_f16_act`): 16 tiles [16, BM] in `_f16_codes`' order."""
+    i2 = 2 * tl.arange(0, 16)[:, None]
+    x = xT_rows[None, :] + sb * 256 + i2
+    return (_f16_act(x), _f16_act(x + 1), _f16_act(x + 32), _f16_act(x + 33),
+            _f16_act(x + 64), _f16_act(x + 65), _f16_act(x + 96), _f16_act(x + 97),
+            _f16_act(x + 128), _f16_act(x + 129), _f16_act(x + 160), _f16_act(x + 161),
+            _f16_act(x + 192), _f16_act(x + 193), _f16_act(x + 224), _f16_act(x + 225))
+
+
+@triton.jit
+def _f16_dots(acc, w, xs):
+    """acc [BN, BM] + the 16 tiles of w ([BN, 16] each) times those of x^T ([16, BM]): fp16
+    tensor-core dots, accumulated in fp32 in tile order."""
+    for i in tl.static_range(16):
+        acc = tl.dot(w[i], xs[i], acc)
+    return acc
+
+
+@triton.jit
+def _f16_rows_dot(xT_rows, wa, wb, n_ok, K: tl.constexpr, TWO: tl.constexpr,
+                  BM: tl.constexpr, ASM: tl.constexpr):
+    """fp32 [BN, BM] twice: the rows wa and (TWO) wb (else zeros) times x^T (xT_rows [BM]
+    pointers to 16-bit rows of K values), super-block by super-block, x's fp16 tiles
+    converted once for both."""
+    acc_a = tl.zeros((wa.shape[0], BM), dtype=tl.float32)
+    acc_b = tl.zeros((wa.shape[0], BM), dtype=tl.float32)
+    for sb in tl.range(K // 256):
+        xs = _f16_acts(xT_rows, sb)
+        acc_a = _f16_dots(acc_a, _f16_codes(wa, n_ok, sb, ASM), xs)
+        if TWO:
+            acc_b = _f16_dots(acc_b, _f16_codes(wb, n_ok, sb, ASM), xs)
+    return acc_a, acc_b
+
+
+@triton.jit
+def _f16_rows_kernel(x_ptr, y_ptr, stride_xm, K, BLOCK: tl.constexpr):
+    """y[t, c BLOCK ..] = x's values in fp16 (`_f16_act`: saturated), y contiguous."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + t * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16)
+    tl.store(y_ptr + t * K + cols, v, mask=cols < K)
+
+
+@triton.jit
+def _f16_gate_up_kernel(x_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, a_ptr, R,
+                        stride_xm, stride_ws, stride_wn, stride_am, stride_bs,
+                        K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
+                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        ASM: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (block, row block): a = glu(g s[slot, 0], u s[slot, 1]) of the block's routes
+    for the gate rows rn and up rows INTER + rn, stored in fp16 (saturated) into a's rows.
+    The products are computed transposed, [BN rows, BM routes]: the expert's rows fill the
+    tensor cores' M, the few routes their N."""
+    wait(PDL)  # pdl.py: the kernel before has completed
+    slot, routes, r_ok, rn, n_ok = _block(route_ids_ptr, block_slot_ptr, R, BM, BN, INTER)
+    if slot < 0:
+        return
+    w_slot = w_ptr + slot.to(tl.int64) * stride_ws
+    wg = w_slot + rn.to(tl.int64) * stride_wn
+    wu = w_slot + (rn + INTER).to(tl.int64) * stride_wn
+    xT = x_ptr + (routes // TOPK).to(tl.int64) * stride_xm
+    acc_g, acc_u = _f16_rows_dot(xT, wg, wu, n_ok, K, True, BM, ASM)
+    s = bank_s_ptr + slot * stride_bs
+    a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
+    a = tl.minimum(tl.maximum(a, -65504.0), 65504.0).to(tl.float16)
+    out = a_ptr + routes[None, :].to(tl.int64) * stride_am + rn[:, None]
+    tl.store(out, a, mask=n_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _f16_down_kernel(a_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
+                     y_ptr, R, stride_am, stride_ws, stride_wn, stride_ym, stride_bs,
+                     K: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (block, row block): y[r, rn] = (a_r Wd^T) s[slot, 2] route_weight[r] for the
+    block's routes r, fp32, a the fp16 rows `_f16_gate_up_kernel` stored."""
+    wait(PDL)  # pdl.py: the kernel before has completed
+    slot, routes, r_ok, rn, n_ok = _block(route_ids_ptr, block_slot_ptr, R, BM, BN, HIDDEN)
+    if slot < 0:
+        return
+    w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn.to(tl.int64) * stride_wn
+    aT = a_ptr + routes.to(tl.int64) * stride_am
+    acc, _ = _f16_rows_dot(aT, w_rows, w_rows, n_ok, K, False, BM, ASM)
+    r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
+    y = acc * tl.load(bank_s_ptr + slot * stride_bs + 2) * r_w[None, :]
+    out = y_ptr + routes[None, :].to(tl.int64) * stride_ym + rn[:, None]
+    tl.store(out, y, mask=n_ok[:, None] & r_ok[None, :])
+
+
 def _chunks(bank: ExpertBank, dtype: torch.dtype, tokens: int) -> tuple[int, int]:
     """Super-blocks per fp32 partial sum of gate/up and down: the per-route int8 GEMV's chunks
     at this size (`moe._i8_tiles`, `_down_i8_tiles`; the same association, the same bits)."""
@@ -240,15 +469,24 @@ def _chunks(bank: ExpertBank, dtype: torch.dtype, tokens: int) -> tuple[int, int
 def fused_moe_mma(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, activation: str = "silu",
                   expert_map: torch.Tensor | None = None,
-                  tiles: tuple[int, ...] | None = None) -> torch.Tensor:
+                  tiles: tuple[int, ...] | None = None, form: str | None = None) -> torch.Tensor:
     """`moe.fused_moe_triton`'s contract ([T, H] in x.dtype) for banks `supported_mma` takes:
-    routes grouped by slot in blocks of BM (`moe._align`), gate/up and down in int8 tensor-core
-    dots, one program per (block, row block), each expert's rows read once per block of its
-    routes. `tiles` (BN, num_warps[, unroll]) of both kernels, BN a multiple of 32, unroll
-    (default true) a chunk's super-blocks unrolled (`_rows_dot`); default MMA_TILES."""
+    routes grouped by slot in blocks of BM (`moe._align`), one program per (block, row block),
+    each expert's rows read once per block of its routes, gate/up and down in tensor-core dots
+    of the `form` (None: FREETOKEN_GPU_MOE_MMA_FORM, else MMA_FORM):
+    - "i8": int8 codes (`_mma_*` kernels); `tiles` (BN, num_warps[, unroll]), BN a multiple
+      of 32, unroll (default true) a chunk's super-blocks unrolled (`_rows_dot`); default
+      MMA_TILES;
+    - "f16": the codes decoded to fp16 (`_f16_*` kernels); `tiles` (BN, num_warps), BN a
+      multiple of 16; default F16_TILES."""
+    form = form or env.gpu_moe_mma_form() or MMA_FORM
+    if form not in FORMS:
+        raise ValueError(f"fused_moe_mma: form must be one of {FORMS}, got {form!r}")
+    if form == "f16":
+        return _fused_f16(x, bank, topk_ids, topk_weights, activation, expert_map, tiles)
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
-    if not supported_mma(bank, x.dtype):
+    if not supported_mma(bank, x.dtype, "i8"):
         raise ValueError("fused_moe_mma: both banks must be Q4_K, x 16-bit with int8 dots on")
     bn, warps, *rest = tiles or MMA_TILES
     unroll = bool(rest[0]) if rest else True
@@ -284,6 +522,52 @@ def fused_moe_mma(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         aq, w2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
         aq.stride(0), w2.stride(0), w2.stride(1), y.stride(0), sb, K=inter, HIDDEN=h, BM=BM,
         BN=bn, CH=ch2, UNROLL=unroll, num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
+                                                   num_warps=4, **pdl.opts())
+    return out
+
+
+def _fused_f16(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor, activation: str, expert_map: torch.Tensor | None,
+               tiles: tuple[int, ...] | None) -> torch.Tensor:
+    """The "f16" form of `fused_moe_mma`: gate/up stores a in fp16, down y in fp32 per route,
+    `_sum_routes_kernel` adds each token's routes in route order."""
+    if activation not in _ACT:
+        raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
+    if not supported_mma(bank, x.dtype, "f16"):
+        raise ValueError("fused_moe_mma: both banks must be Q4_K and x 16-bit")
+    bn, warps = tiles or F16_TILES
+    if bn % 16 or bn < 16:
+        raise ValueError(f"fused_moe_mma: BN={bn} must be a multiple of 16")
+    t, topk = topk_ids.shape
+    h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
+    if r == 0:
+        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if x.dtype != torch.float16:  # once here, not in every program
+        x16 = torch.empty(t, h, dtype=torch.float16, device=x.device)
+        _f16_rows_kernel[(t, triton.cdiv(h, 1024))](x, x16, x.stride(0), h, BLOCK=1024,
+                                                    num_warps=4)
+        x = x16
+    route_ids, block_slot = _align(topk_ids, expert_map, bank.num_experts, BM)
+    nb = block_slot.numel()
+    w13, _ = weight_args(bank.w13)
+    w2, _ = weight_args(bank.w2)
+    scales = bank.scales if bank.scales.stride(-1) == 1 else bank.scales.contiguous()
+    sb = scales.stride(0)
+    a = torch.empty(r, inter, dtype=torch.float16, device=x.device)
+    _f16_gate_up_kernel[(nb, triton.cdiv(inter, bn))](
+        x, w13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
+        w13.stride(1), a.stride(0), sb, K=h, INTER=inter, TOPK=topk, ACT=_ACT[activation],
+        BM=BM, BN=bn, ASM=asm(), num_warps=warps, **pdl.opts())
+    # a route whose expert maps to -1 (computed elsewhere) is in no block: its row reads zero
+    y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
+                                                              device=x.device)
+    _f16_down_kernel[(nb, triton.cdiv(h, bn))](
+        a, w2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
+        a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), sb, K=inter, HIDDEN=h, BM=BM,
+        BN=bn, ASM=asm(), num_warps=warps, **pdl.opts())
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                    num_warps=4, **pdl.opts())
