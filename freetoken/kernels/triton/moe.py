@@ -538,6 +538,10 @@ def _unroll(unroll: int | None, bm: int, bn: int, k: int, bk: int) -> int:
 # end to end (ab_env.py, 30B Q4_K fused) batch 4 1,190 -> 762 tok/s, 16 2,056 -> 1,205. Their
 # narrow row blocks (registers hold a group's expanded chunks) read too few bytes a program.
 GROUPED_TOKENS: tuple[int, int] | None = None
+# Token counts at which fused_moe_triton runs the tensor-core kernels of moe_mma.py (in the form
+# FREETOKEN_GPU_MOE_MMA_FORM / moe_mma.MMA_FORM picks) where FREETOKEN_GPU_MOE_MMA is unset and
+# the call names no tiles and no grouping; None: never
+MMA_TOKENS: tuple[int, int] | None = None
 # (BN, BK at most, num_warps) of the int8 grouped kernels by format id (NVFP4 1, Q4_K 13, split
 # Q8_0 18), and BT, the routes a group holds. Chosen by registers, not by time (timed against
 # the per-route GEMV at GROUPED_TOKENS: slower): a group's expanded weight chunks stay in
@@ -666,7 +670,10 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     t, topk = topk_ids.shape
     h, inter, r = bank.hidden, bank.intermediate, topk_ids.numel()
     x = x if x.stride(-1) == 1 else x.contiguous()
-    if (span := env.gpu_moe_mma()) and span[0] <= t <= span[1]:  # opt-in: moe_mma.py
+    span = env.gpu_moe_mma()
+    if span is None and tiles is None and grouped is None:
+        span = MMA_TOKENS
+    if span and span[0] <= t <= span[1]:  # moe_mma.py
         from freetoken.kernels.triton import moe_mma
         if moe_mma.supported_mma(bank, x.dtype):
             return moe_mma.fused_moe_mma(x, bank, topk_ids, topk_weights, activation,
