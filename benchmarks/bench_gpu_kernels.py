@@ -364,41 +364,47 @@ def bench_moe_grouped(tokens: tuple[int, ...] = (4, 8, 16), e: int = 128, h: int
 
 
 def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int = 2048,
-                  inter: int = 768, topk: int = 8) -> None:
-    """One MoE layer of Qwen3-30B-A3B's shape (Q4_K, bf16 x quantized by the RMSNorm before it)
-    at 2-16 tokens, the weights from HBM (64 random routings cycled in one CUDA graph, as
-    `bench_hbm_tiles`): the per-route int8 GEMVs (today's default) against the int8
-    tensor-core kernels (`moe_mma.py`) at each form and tiles of MMA_SWEEP. us a layer, one
-    line per token count; the best last."""
+                  inter: int = 768, topk: int = 8, formats: tuple[str, ...] = ("Q4_K", "nvfp4")
+                  ) -> None:
+    """One MoE layer of Qwen3-30B-A3B's shape (Q4_K, then NVFP4 experts; bf16 x quantized by
+    the RMSNorm before it) at 2-16 tokens, the weights from HBM (64 random routings cycled in
+    one CUDA graph, as `bench_hbm_tiles`): the per-route int8 GEMVs (today's default) against
+    the tensor-core kernels (`moe_mma.py`) at each form and tiles of MMA_SWEEP the format
+    takes ("-": not). us a layer, one line per format and token count; the best last."""
     from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
-    from freetoken.kernels.triton.moe_mma import fused_moe_mma
+    from freetoken.kernels.triton.moe_mma import fused_moe_mma, supported_mma
 
-    bank = random_bank("Q4_K", e, h, inter)
     nw = torch.rand(h, device="cuda") + 0.5
-    print(f"{'T':>3s} {'per-route us':>12s}  "
+    print(f"{'format':6s} {'T':>3s} {'per-route us':>12s}  "
           + "  ".join(f"{f + str(t):>16s}" for f, t in MMA_SWEEP) + "   best (form, tiles)")
-    for t in tokens:
-        torch.manual_seed(t)
-        x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw, 1e-6,
-                             quantize=True)  # the codes attached, as at decode
-        rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
-        idss = [routing(t, e, topk) for _ in range(64)]
-        route = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw, "silu")
-                           for ids in idss])
-        cells, best = [], None
-        for form, tile in MMA_SWEEP:
-            try:
-                ms = cycled_ms([functools.partial(fused_moe_mma, x, bank, ids, rw, "silu",
-                                                  None, tile, form) for ids in idss])
-            except Exception as err:  # noqa: BLE001 - one failing tile must not end the sweep
-                cells.append(f"{type(err).__name__:>16s}")
-                continue
-            cells.append(f"{ms * 1e3:7.1f} ({route / ms:4.2f}x)")
-            if best is None or ms < best[1]:
-                best = ((form, tile), ms)
-        tail = f"   {best[0]} {best[1] * 1e3:.1f} us" if best else ""
-        print(f"{t:3d} {route * 1e3:12.1f}  " + "  ".join(cells) + tail, flush=True)
+    for fmt in formats:
+        bank = random_bank(fmt, e, h, inter)
+        for t in tokens:
+            torch.manual_seed(t)
+            x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw,
+                                 1e-6, quantize=True)  # the codes attached, as at decode
+            rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+            idss = [routing(t, e, topk) for _ in range(64)]
+            route = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw, "silu")
+                               for ids in idss])
+            cells, best = [], None
+            for form, tile in MMA_SWEEP:
+                if not supported_mma(bank, x.dtype, form):
+                    cells.append(f"{'-':>16s}")
+                    continue
+                try:
+                    ms = cycled_ms([functools.partial(fused_moe_mma, x, bank, ids, rw, "silu",
+                                                      None, tile, form) for ids in idss])
+                except Exception as err:  # noqa: BLE001 - one failing tile must not end it
+                    cells.append(f"{type(err).__name__:>16s}")
+                    continue
+                cells.append(f"{ms * 1e3:7.1f} ({route / ms:4.2f}x)")
+                if best is None or ms < best[1]:
+                    best = ((form, tile), ms)
+            tail = f"   {best[0]} {best[1] * 1e3:.1f} us" if best else ""
+            print(f"{fmt:6s} {t:3d} {route * 1e3:12.1f}  " + "  ".join(cells) + tail,
+                  flush=True)
 
 
 def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:

@@ -236,17 +236,24 @@ CASES.update({
     "mma-quant-rows": ("freetoken.kernels.triton.moe_mma", "_quant_rows_kernel", _MMA_PTRS,
                        dict(K=2048, BLOCK=1024), (), 4),
 })
-# its fp16 form (the codes decoded by inline PTX, wgmma), default tiles, and x's fp16 copy
-_F16_PTRS = {**_MMA_PTRS, "x_ptr": "*fp16", "a_ptr": "*fp16", "y_ptr": "*fp32"}
+# its fp16 form (the codes decoded by inline PTX, wgmma) for Q4_K and NVFP4 (fmt 13, 1),
+# default tiles, and x's fp16 copy
+_F16_PTRS = {**_MMA_PTRS, "x_ptr": "*fp16", "a_ptr": "*fp16", "y_ptr": "*fp32", "s_ptr": "*u8"}
 CASES.update({
-    "mma-f16-gate-up": ("freetoken.kernels.triton.moe_mma", "_f16_gate_up_kernel", _F16_PTRS,
-                        dict(K=2048, INTER=768, TOPK=8, ACT=0, BM=16, BN=128, ASM=True,
-                             PDL=False), (), 4),
-    "mma-f16-down": ("freetoken.kernels.triton.moe_mma", "_f16_down_kernel", _F16_PTRS,
-                     dict(K=768, HIDDEN=2048, BM=16, BN=128, ASM=True, PDL=False), (), 4),
-    "mma-f16-rows": ("freetoken.kernels.triton.moe_mma", "_f16_rows_kernel",
-                     {**_F16_PTRS, "x_ptr": _BF, "y_ptr": "*fp16"}, dict(BLOCK=1024), (), 4),
+    f"mma-f16-gate-up-fmt{f}": (
+        "freetoken.kernels.triton.moe_mma", "_f16_gate_up_kernel", _F16_PTRS,
+        dict(FMT=f, K=2048, INTER=768, TOPK=8, ACT=0, BM=16, BN=128, ASM=True, PDL=False),
+        (), 4)
+    for f in (1, 13)
 })
+CASES.update({
+    f"mma-f16-down-fmt{f}": (
+        "freetoken.kernels.triton.moe_mma", "_f16_down_kernel", _F16_PTRS,
+        dict(FMT=f, K=768, HIDDEN=2048, BM=16, BN=128, ASM=True, PDL=False), (), 4)
+    for f in (1, 13)
+})
+CASES["mma-f16-rows"] = ("freetoken.kernels.triton.moe_mma", "_f16_rows_kernel",
+                         {**_F16_PTRS, "x_ptr": _BF, "y_ptr": "*fp16"}, dict(BLOCK=1024), (), 4)
 
 # decode attention (`attention.decode`) with the heads of Qwen3-30B-A3B (d 128, 4 KV heads)
 # and Qwen3.6-35B-A3B (d 256, 2 KV heads), G = 8: one split, split-K merged by the last split to

@@ -1,4 +1,5 @@
-"""Small-batch fused MoE for Q4_K experts in int8 tensor-core dots (2 to 128 tokens).
+"""Small-batch fused MoE in tensor-core dots (2 to 128 tokens): Q4_K experts as int8, Q4_K
+and NVFP4 ones decoded to fp16.
 
 The per-route int8 GEMV (moe.py, BM = 1, `gemv_i8.py`'s dp4a) reads an expert's rows once per
 route: at 16 tokens (128 routes over some 82 of 128 experts, 30B shape) it is bound by routes,
@@ -39,7 +40,10 @@ a weight costs about 3.8 instructions, 2 of them the decode, the rest the scales
 each of the 4 threads that hold a row), the wgmma fences and the loads. Its values: each
 weight rounded once to fp16 from q s16 - m16 (s16, m16 the sub-block's scale and min rounded
 to fp16), x exact (bf16 values in fp16's range are fp16 values; beyond it they saturate), the
-GLU output stored in fp16, fp32 accumulation. Not timed on a GPU yet.
+GLU output stored in fp16, fp32 accumulation. It takes NVFP4 banks too (`_E2M1_F16`: the
+E2M1 magnitudes looked up as fp16 high bytes by a byte permute, the signs from a second one,
+times the E4M3 block scale converted by `cvt`): E2M1 times E4M3 is an fp16 value, so there the
+weights are exactly the codec's. Not timed on a GPU yet.
 Where the int8 form's time went is not known yet. Suspects:
 - each program ran gate's whole K and then up's in rolled loops: 16 dependent rounds of loads
   (hidden 2048) against the per-route GEMV's two unrolled chunks; gate and up now share one
@@ -58,7 +62,7 @@ import triton.language as tl
 
 from freetoken import env
 from freetoken.kernels.triton import pdl
-from freetoken.kernels.triton.formats import format_id
+from freetoken.kernels.triton.formats import F_NVFP4, format_id
 from freetoken.kernels.triton.gemv_i8 import asm, quant_store, quant_store_rows, use_i8, xq_len
 from freetoken.kernels.triton.linear import weight_args, xq_rows
 from freetoken.kernels.triton.moe import (
@@ -71,7 +75,7 @@ from freetoken.kernels.triton.moe import (
 )
 from freetoken.kernels.triton.moe_grouped import glu
 from freetoken.kernels.triton.pdl import wait
-from freetoken.kernels.triton.quant import _f16_bits
+from freetoken.kernels.triton.quant import _e2m1, _e4m3, _f16_bits
 from freetoken.moe.banks import ExpertBank
 
 Q4_K = 13  # format id (formats.py)
@@ -86,17 +90,29 @@ MMA_TILES = (32, 4, True)
 # (64, 4), (64, 8), (128, 4), (128, 8) in their sm_90 SASS (4.1 against 4.4-12; not timed yet)
 F16_TILES = (128, 4)
 FORMS = ("i8", "f16")
+F16_FORMATS = (F_NVFP4, Q4_K)  # weight formats the fp16 form decodes
 MMA_FORM = "i8"  # the form FREETOKEN_GPU_MOE_MMA runs where FREETOKEN_GPU_MOE_MMA_FORM is unset
 
 
 def supported_mma(bank: ExpertBank, dtype: torch.dtype, form: str | None = None) -> bool:
-    """Both banks Q4_K, hidden and expert width in whole super-blocks, and an activation the
-    form takes (None: the form `fused_moe_mma` would run): "f16" a 16-bit x, "i8" one the
-    int8 dots take (`gemv_i8.use_i8`: 16-bit, the switch on)."""
+    """Whether the form takes this bank and activation (None: the form `fused_moe_mma` would
+    run): "i8" both banks Q4_K and an x the int8 dots take (`gemv_i8.use_i8`: 16-bit, the
+    switch on); "f16" both banks Q4_K or both NVFP4 (ModelOpt layout) and a 16-bit x. Hidden
+    and expert width in whole 256-value blocks either way."""
     form = form or env.gpu_moe_mma_form() or MMA_FORM
-    ok_x = (dtype in (torch.bfloat16, torch.float16)) if form == "f16" else use_i8(Q4_K, dtype)
-    return (format_id(bank.w13) == Q4_K and format_id(bank.w2) == Q4_K and ok_x
-            and bank.hidden % 256 == 0 and bank.intermediate % 256 == 0)
+    f13, f2 = format_id(bank.w13), format_id(bank.w2)
+    if form == "f16":
+        ok = f13 == f2 and f13 in F16_FORMATS and dtype in (torch.bfloat16, torch.float16)
+    else:
+        ok = f13 == Q4_K and f2 == Q4_K and use_i8(Q4_K, dtype)
+    return ok and bank.hidden % 256 == 0 and bank.intermediate % 256 == 0
+
+
+def _e4m3_ptx(device: torch.device) -> bool:
+    """Whether the NVFP4 decode may use its PTX: not interpreting, and PTX's e4m3x2 to f16x2
+    conversion there (sm_89 and later; else `_e2m1_f16`'s fp32 path, the same values)."""
+    return (asm() and torch.version.hip is None
+            and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
 @triton.jit
@@ -306,6 +322,75 @@ def _nibbles_f16(q, s_lo, nm_lo, s_hi, nm_hi, ASM: tl.constexpr):
     return le, lo, he, ho
 
 
+# Two 16-bit words of NVFP4 codes (bytes b0 b1 | b2 b3; byte i: value 2i in its low nibble,
+# 2i + 1 in its high one) and their two block scales (E4M3 bytes) -> the 8 values in fp16, 2 a
+# register: (P, Q, R, T) = the values of nibbles 0, 1, 2, 3 of each word, word 0's in the low
+# half. A byte permute looks each magnitude up as fp16's high byte (E2M1 0, 0.5, 1, 1.5, 2, 3,
+# 4, 6: 0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46, low byte 0); the same permute on the
+# raw codes gives 0 for negative ones (its sign mode copies the looked-up byte's top bit), so
+# their difference marks the negative nonzero values, whose top bit is set; times the scale,
+# converted by cvt (E4M3 to fp16 is exact). E2M1 times E4M3 fits fp16 exactly (2 and 4
+# mantissa bits, 2^-10 .. 2688): these are the codec's values, no rounding. The scales come as
+# 16-bit words (a 32-bit register holds two), their low bytes permuted into one 16-bit pair.
+_E2M1_F16 = tl.constexpr("""{
+.reg .b32 l0, l1, t, a, b, h0, h1, s;
+.reg .b16 s0, s1;
+mov.b32 l0, 0x3E3C3800;
+mov.b32 l1, 0x46444240;
+prmt.b32 s, $5, 0, 0x20;
+mov.b32 {s0, s1}, s;
+cvt.rn.f16x2.e4m3x2 s, s0;
+and.b32 t, $4, 0x7777;
+prmt.b32 b, l0, l1, t;
+prmt.b32 a, l0, l1, $4;
+xor.b32 a, a, b;
+add.u32 a, a, 0x7F7F7F7F;
+and.b32 a, a, 0x80808080;
+or.b32 h0, a, b;
+shr.b32 t, $4, 16;
+and.b32 a, t, 0x7777;
+prmt.b32 b, l0, l1, a;
+prmt.b32 a, l0, l1, t;
+xor.b32 a, a, b;
+add.u32 a, a, 0x7F7F7F7F;
+and.b32 a, a, 0x80808080;
+or.b32 h1, a, b;
+prmt.b32 a, h0, h1, 0x4400;
+and.b32 a, a, 0xFF00FF00;
+mul.rn.f16x2 $0, a, s;
+prmt.b32 a, h0, h1, 0x5511;
+and.b32 a, a, 0xFF00FF00;
+mul.rn.f16x2 $1, a, s;
+prmt.b32 a, h0, h1, 0x6622;
+and.b32 a, a, 0xFF00FF00;
+mul.rn.f16x2 $2, a, s;
+prmt.b32 a, h0, h1, 0x7733;
+and.b32 a, a, 0xFF00FF00;
+mul.rn.f16x2 $3, a, s;
+}""")
+
+
+@triton.jit
+def _e2m1_f16(q, sc, ASM: tl.constexpr):
+    """q int16 [BN, 16] (NVFP4 code bytes 2m, 2m + 1: values 4m .. 4m + 3), sc uint8 (each
+    word's E4M3 block scale, widened to 16 bits for the PTX): fp16 [BN, 16] x 4, the values
+    4m, 4m + 1, 4m + 2, 4m + 3 (exact: see above). With ASM the PTX above; without (Triton's
+    interpreter, GPUs before sm_89) `quant._e2m1` and
+    `_e4m3` in fp32, the same values."""
+    if ASM:
+        p, q1, r, t = tl.inline_asm_elementwise(
+            _E2M1_F16, "=r,=r,=r,=r,r,r", [q, sc.to(tl.int16)],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
+    else:
+        w = q.to(tl.int32) & 0xFFFF
+        s = _e4m3(sc.to(tl.int32))
+        p = (_e2m1(w & 15) * s).to(tl.float16)
+        q1 = (_e2m1((w >> 4) & 15) * s).to(tl.float16)
+        r = (_e2m1((w >> 8) & 15) * s).to(tl.float16)
+        t = (_e2m1(w >> 12) * s).to(tl.float16)
+    return p, q1, r, t
+
+
 @triton.jit
 def _f16_act(p):
     """fp16 of the 16-bit activations at p (saturated at fp16's largest finite value: bf16
@@ -330,10 +415,39 @@ def _scale_pair(sc, mn, at: tl.constexpr, d, dmin):
 
 
 @triton.jit
-def _f16_codes(w_rows, n_ok, sb, ASM: tl.constexpr):
-    """The rows w_rows' super-block sb in fp16 (`_nibbles_f16`): 16 tiles [BN, 16], for each
-    pair g of sub-blocks (2g, 2g + 1) the values at k = 64g + 2i, 64g + 2i + 1, 64g + 32 + 2i,
-    64g + 32 + 2i + 1 (i < 16)."""
+def _f16_codes(FMT: tl.constexpr, w_rows, s_rows, n_ok, sb, ASM: tl.constexpr):
+    """The rows' values sb 256 .. sb 256 + 255 in fp16: 16 tiles [BN, 16] in the order of
+    `_f16_acts` (Q4_K: `_q4_k_codes`; NVFP4: `_nvfp4_codes`)."""
+    if FMT == 1:
+        r = _nvfp4_codes(w_rows, s_rows, n_ok, sb, ASM)
+    else:
+        r = _q4_k_codes(w_rows, n_ok, sb, ASM)
+    return r
+
+
+@triton.jit
+def _nvfp4_codes(w_rows, s_rows, n_ok, sb, ASM: tl.constexpr):
+    """NVFP4 rows (codes w_rows, E4M3 block scales s_rows): for each 64 values t the values
+    at k = 64t + 4m, + 1, + 2, + 3 (m < 16; `_e2m1_f16`)."""
+    words = (w_rows + sb * 128).to(tl.pointer_type(tl.int16))[:, None] \
+        + tl.arange(0, 16)[None, :]
+    scales = s_rows[:, None] + sb * 16 + tl.arange(0, 16)[None, :] // 4
+    m = n_ok[:, None]
+    a0, a1, a2, a3 = _e2m1_f16(tl.load(words, mask=m, other=0),
+                               tl.load(scales, mask=m, other=0), ASM)
+    b0, b1, b2, b3 = _e2m1_f16(tl.load(words + 16, mask=m, other=0),
+                               tl.load(scales + 4, mask=m, other=0), ASM)
+    c0, c1, c2, c3 = _e2m1_f16(tl.load(words + 32, mask=m, other=0),
+                               tl.load(scales + 8, mask=m, other=0), ASM)
+    e0, e1, e2, e3 = _e2m1_f16(tl.load(words + 48, mask=m, other=0),
+                               tl.load(scales + 12, mask=m, other=0), ASM)
+    return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e0, e1, e2, e3
+
+
+@triton.jit
+def _q4_k_codes(w_rows, n_ok, sb, ASM: tl.constexpr):
+    """Q4_K rows' super-block sb (`_nibbles_f16`): for each pair g of sub-blocks (2g, 2g + 1)
+    the values at k = 64g + 2i, 64g + 2i + 1, 64g + 32 + 2i, 64g + 32 + 2i + 1 (i < 16)."""
     BN: tl.constexpr = w_rows.shape[0]
     blk = w_rows + sb * 144
     head = tl.load(blk.to(tl.pointer_type(tl.int32))[:, None] + tl.arange(0, 4)[None, :],
@@ -367,14 +481,22 @@ def _pair_f16(q, sc, mn, at: tl.constexpr, d, dmin, ASM: tl.constexpr):
 
 
 @triton.jit
-def _f16_acts(xT_rows, sb):
-    """x^T's super-block sb in fp16 (`_f16_act`): 16 tiles [16, BM] in `_f16_codes`' order."""
-    i2 = 2 * tl.arange(0, 16)[:, None]
-    x = xT_rows[None, :] + sb * 256 + i2
-    return (_f16_act(x), _f16_act(x + 1), _f16_act(x + 32), _f16_act(x + 33),
-            _f16_act(x + 64), _f16_act(x + 65), _f16_act(x + 96), _f16_act(x + 97),
-            _f16_act(x + 128), _f16_act(x + 129), _f16_act(x + 160), _f16_act(x + 161),
-            _f16_act(x + 192), _f16_act(x + 193), _f16_act(x + 224), _f16_act(x + 225))
+def _f16_acts(FMT: tl.constexpr, xT_rows, sb):
+    """x^T's values sb 256 .. sb 256 + 255 in fp16 (`_f16_act`): 16 tiles [16, BM] in
+    `_f16_codes`' order."""
+    if FMT == 1:
+        x = xT_rows[None, :] + sb * 256 + 4 * tl.arange(0, 16)[:, None]
+        r = (_f16_act(x), _f16_act(x + 1), _f16_act(x + 2), _f16_act(x + 3),
+             _f16_act(x + 64), _f16_act(x + 65), _f16_act(x + 66), _f16_act(x + 67),
+             _f16_act(x + 128), _f16_act(x + 129), _f16_act(x + 130), _f16_act(x + 131),
+             _f16_act(x + 192), _f16_act(x + 193), _f16_act(x + 194), _f16_act(x + 195))
+    else:
+        x = xT_rows[None, :] + sb * 256 + 2 * tl.arange(0, 16)[:, None]
+        r = (_f16_act(x), _f16_act(x + 1), _f16_act(x + 32), _f16_act(x + 33),
+             _f16_act(x + 64), _f16_act(x + 65), _f16_act(x + 96), _f16_act(x + 97),
+             _f16_act(x + 128), _f16_act(x + 129), _f16_act(x + 160), _f16_act(x + 161),
+             _f16_act(x + 192), _f16_act(x + 193), _f16_act(x + 224), _f16_act(x + 225))
+    return r
 
 
 @triton.jit
@@ -387,18 +509,18 @@ def _f16_dots(acc, w, xs):
 
 
 @triton.jit
-def _f16_rows_dot(xT_rows, wa, wb, n_ok, K: tl.constexpr, TWO: tl.constexpr,
-                  BM: tl.constexpr, ASM: tl.constexpr):
-    """fp32 [BN, BM] twice: the rows wa and (TWO) wb (else zeros) times x^T (xT_rows [BM]
-    pointers to 16-bit rows of K values), super-block by super-block, x's fp16 tiles
-    converted once for both."""
+def _f16_rows_dot(FMT: tl.constexpr, xT_rows, wa, sa, wb, sb_rows, n_ok, K: tl.constexpr,
+                  TWO: tl.constexpr, BM: tl.constexpr, ASM: tl.constexpr):
+    """fp32 [BN, BM] twice: the rows wa (block scales sa) and (TWO) wb (sb_rows; else zeros)
+    times x^T (xT_rows [BM] pointers to 16-bit rows of K values), 256 values at a time, x's
+    fp16 tiles loaded once for both."""
     acc_a = tl.zeros((wa.shape[0], BM), dtype=tl.float32)
     acc_b = tl.zeros((wa.shape[0], BM), dtype=tl.float32)
     for sb in tl.range(K // 256):
-        xs = _f16_acts(xT_rows, sb)
-        acc_a = _f16_dots(acc_a, _f16_codes(wa, n_ok, sb, ASM), xs)
+        xs = _f16_acts(FMT, xT_rows, sb)
+        acc_a = _f16_dots(acc_a, _f16_codes(FMT, wa, sa, n_ok, sb, ASM), xs)
         if TWO:
-            acc_b = _f16_dots(acc_b, _f16_codes(wb, n_ok, sb, ASM), xs)
+            acc_b = _f16_dots(acc_b, _f16_codes(FMT, wb, sb_rows, n_ok, sb, ASM), xs)
     return acc_a, acc_b
 
 
@@ -413,24 +535,27 @@ def _f16_rows_kernel(x_ptr, y_ptr, stride_xm, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _f16_gate_up_kernel(x_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, a_ptr, R,
-                        stride_xm, stride_ws, stride_wn, stride_am, stride_bs,
-                        K: tl.constexpr, INTER: tl.constexpr, TOPK: tl.constexpr,
-                        ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        ASM: tl.constexpr, PDL: tl.constexpr = False):
+def _f16_gate_up_kernel(x_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, a_ptr,
+                        R, stride_xm, stride_ws, stride_wn, stride_ss, stride_sn, stride_am,
+                        stride_bs, FMT: tl.constexpr, K: tl.constexpr, INTER: tl.constexpr,
+                        TOPK: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
     """Program (block, row block): a = glu(g s[slot, 0], u s[slot, 1]) of the block's routes
     for the gate rows rn and up rows INTER + rn, stored in fp16 (saturated) into a's rows.
     The products are computed transposed, [BN rows, BM routes]: the expert's rows fill the
-    tensor cores' M, the few routes their N."""
+    tensor cores' M, the few routes their N. s_ptr: NVFP4's block scales (FMT 1; else
+    unused)."""
     wait(PDL)  # pdl.py: the kernel before has completed
     slot, routes, r_ok, rn, n_ok = _block(route_ids_ptr, block_slot_ptr, R, BM, BN, INTER)
     if slot < 0:
         return
     w_slot = w_ptr + slot.to(tl.int64) * stride_ws
-    wg = w_slot + rn.to(tl.int64) * stride_wn
-    wu = w_slot + (rn + INTER).to(tl.int64) * stride_wn
+    s_slot = s_ptr + slot.to(tl.int64) * stride_ss
+    gate, up = rn.to(tl.int64), (rn + INTER).to(tl.int64)
     xT = x_ptr + (routes // TOPK).to(tl.int64) * stride_xm
-    acc_g, acc_u = _f16_rows_dot(xT, wg, wu, n_ok, K, True, BM, ASM)
+    acc_g, acc_u = _f16_rows_dot(FMT, xT, w_slot + gate * stride_wn, s_slot + gate * stride_sn,
+                                 w_slot + up * stride_wn, s_slot + up * stride_sn, n_ok, K,
+                                 True, BM, ASM)
     s = bank_s_ptr + slot * stride_bs
     a = glu(acc_g * tl.load(s), acc_u * tl.load(s + 1), ACT)
     a = tl.minimum(tl.maximum(a, -65504.0), 65504.0).to(tl.float16)
@@ -439,10 +564,11 @@ def _f16_gate_up_kernel(x_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
 
 
 @triton.jit
-def _f16_down_kernel(a_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, route_w_ptr,
-                     y_ptr, R, stride_am, stride_ws, stride_wn, stride_ym, stride_bs,
-                     K: tl.constexpr, HIDDEN: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = False):
+def _f16_down_kernel(a_ptr, w_ptr, s_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr,
+                     route_w_ptr, y_ptr, R, stride_am, stride_ws, stride_wn, stride_ss,
+                     stride_sn, stride_ym, stride_bs, FMT: tl.constexpr, K: tl.constexpr,
+                     HIDDEN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     ASM: tl.constexpr, PDL: tl.constexpr = False):
     """Program (block, row block): y[r, rn] = (a_r Wd^T) s[slot, 2] route_weight[r] for the
     block's routes r, fp32, a the fp16 rows `_f16_gate_up_kernel` stored."""
     wait(PDL)  # pdl.py: the kernel before has completed
@@ -450,8 +576,9 @@ def _f16_down_kernel(a_ptr, w_ptr, bank_s_ptr, route_ids_ptr, block_slot_ptr, ro
     if slot < 0:
         return
     w_rows = w_ptr + slot.to(tl.int64) * stride_ws + rn.to(tl.int64) * stride_wn
+    s_rows = s_ptr + slot.to(tl.int64) * stride_ss + rn.to(tl.int64) * stride_sn
     aT = a_ptr + routes.to(tl.int64) * stride_am
-    acc, _ = _f16_rows_dot(aT, w_rows, w_rows, n_ok, K, False, BM, ASM)
+    acc, _ = _f16_rows_dot(FMT, aT, w_rows, s_rows, w_rows, s_rows, n_ok, K, False, BM, ASM)
     r_w = tl.load(route_w_ptr + routes, mask=r_ok, other=0.0).to(tl.float32)
     y = acc * tl.load(bank_s_ptr + slot * stride_bs + 2) * r_w[None, :]
     out = y_ptr + routes[None, :].to(tl.int64) * stride_ym + rn[:, None]
@@ -536,7 +663,12 @@ def _fused_f16(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     if activation not in _ACT:
         raise ValueError(f"activation must be silu or gelu_tanh, got {activation!r}")
     if not supported_mma(bank, x.dtype, "f16"):
-        raise ValueError("fused_moe_mma: both banks must be Q4_K and x 16-bit")
+        raise ValueError(
+            "fused_moe_mma: the f16 form takes banks both Q4_K or both NVFP4 with hidden and "
+            f"expert width multiples of 256 and a 16-bit x; got w13 {bank.w13.fmt} "
+            f"(ggml type {bank.w13.ggml_type}), w2 {bank.w2.fmt} (ggml type "
+            f"{bank.w2.ggml_type}), hidden {bank.hidden}, expert width {bank.intermediate}, "
+            f"x {x.dtype}")
     bn, warps = tiles or F16_TILES
     if bn % 16 or bn < 16:
         raise ValueError(f"fused_moe_mma: BN={bn} must be a multiple of 16")
@@ -552,22 +684,25 @@ def _fused_f16(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         x = x16
     route_ids, block_slot = _align(topk_ids, expert_map, bank.num_experts, BM)
     nb = block_slot.numel()
-    w13, _ = weight_args(bank.w13)
-    w2, _ = weight_args(bank.w2)
+    fmt = format_id(bank.w13)
+    w13, s13 = weight_args(bank.w13)
+    w2, s2 = weight_args(bank.w2)
+    ptx = _e4m3_ptx(x.device) if fmt == F_NVFP4 else asm()
     scales = bank.scales if bank.scales.stride(-1) == 1 else bank.scales.contiguous()
     sb = scales.stride(0)
     a = torch.empty(r, inter, dtype=torch.float16, device=x.device)
     _f16_gate_up_kernel[(nb, triton.cdiv(inter, bn))](
-        x, w13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
-        w13.stride(1), a.stride(0), sb, K=h, INTER=inter, TOPK=topk, ACT=_ACT[activation],
-        BM=BM, BN=bn, ASM=asm(), num_warps=warps, **pdl.opts())
+        x, w13, s13, scales, route_ids, block_slot, a, r, x.stride(0), w13.stride(0),
+        w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0), sb, FMT=fmt, K=h,
+        INTER=inter, TOPK=topk, ACT=_ACT[activation], BM=BM, BN=bn, ASM=ptx, num_warps=warps,
+        **pdl.opts())
     # a route whose expert maps to -1 (computed elsewhere) is in no block: its row reads zero
     y = (torch.empty if expert_map is None else torch.zeros)(r, h, dtype=torch.float32,
                                                               device=x.device)
     _f16_down_kernel[(nb, triton.cdiv(h, bn))](
-        a, w2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
-        a.stride(0), w2.stride(0), w2.stride(1), y.stride(0), sb, K=inter, HIDDEN=h, BM=BM,
-        BN=bn, ASM=asm(), num_warps=warps, **pdl.opts())
+        a, w2, s2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), sb,
+        FMT=fmt, K=inter, HIDDEN=h, BM=BM, BN=bn, ASM=ptx, num_warps=warps, **pdl.opts())
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                    num_warps=4, **pdl.opts())
