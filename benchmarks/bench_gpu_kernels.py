@@ -176,8 +176,7 @@ I8_ROUTE_TILES = [(16, 1024, 4), (16, 1024, 8), (32, 1024, 4), (32, 1024, 8), (6
                   (64, 1024, 8), (32, 512, 4), (64, 512, 8), (128, 1024, 8)]
 # (form, tiles) of the tensor-core MoE kernels timed by --moe-mma: the int8 form's (BN,
 # num_warps, unroll), the fp16 form's (BN, num_warps)
-MMA_SWEEP = [("i8", (32, 4, True)), ("i8", (64, 4, True)), ("f16", (64, 4)), ("f16", (128, 8)),
-             ("f16", (32, 4)), ("f16", (128, 4))]
+MMA_SWEEP = [("i8", (32, 4, True)), ("f16", (64, 4)), ("f16", (128, 4)), ("f16", (128, 8))]
 # (BN, BK, num_warps) of split Q8_0's GEMV: its rows are aligned int8 runs, wide chunks pay
 SPLIT_TILES = [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (8, 2048, 8), (4, 2048, 4),
                (16, 2048, 8), (2, 2048, 4)]
