@@ -43,11 +43,21 @@ to fp16), x exact (bf16 values in fp16's range are fp16 values; beyond it they s
 GLU output stored in fp16, fp32 accumulation. It takes NVFP4 banks too (`_E2M1_F16`: the
 E2M1 magnitudes looked up as fp16 high bytes by a byte permute, the signs from a second one,
 times the E4M3 block scale converted by `cvt`): E2M1 times E4M3 is an fp16 value, so there the
-weights are exactly the codec's. Not timed on a GPU yet.
+weights are exactly the codec's. Timed on an H100 (bench_gpu_kernels.py --moe-mma, 30B shape,
+weights from HBM, 2026-12-07), us a layer at 2 / 4 / 8 / 16 tokens at its best tiles (64 rows,
+4 warps): Q4_K 63.4 / 90.3 / 117.7 / 170.8 against the per-route GEMVs' 25.3 / 40.2 / 65.3 /
+106.1 (the int8 form 77.8 / 116.7 / 183.0 / 275.1), NVFP4 116.5 / 166.6 / 296.2 / 426.2
+against 22.3 / 39.8 / 61.0 / 100.7: slower still, so it stays on request. Known defect (same
+run): with Q4_K experts on the GPU, one token of the 24-token test case (GLU outputs up to
+5,488) came out inf in 71 of its 2,048 outputs, with every tile, deterministically; halving x
+gave none; the NVFP4 cases and the other Q4_K ones were within their bound. Not found yet:
+a, the gate/up output, was finite, and an fp16 dot of products above fp16's range summed
+exactly in fp32 there.
 Where the int8 form's time went is not known yet. Suspects:
 - each program ran gate's whole K and then up's in rolled loops: 16 dependent rounds of loads
   (hidden 2048) against the per-route GEMV's two unrolled chunks; gate and up now share one
-  loop with a chunk's super-blocks unrolled (`_rows_dot`; not measured yet);
+  loop with a chunk's super-blocks unrolled (`_rows_dot`), measured slower again (32 rows,
+  H100: 77.8 / 116.7 / 183.0 / 275.1 us), so that was not it;
 - each 32-value sub-block's tl.dot is one MMA k-step followed by an fp32 epilogue over the
   whole [16, BN] tile (16 padded rows for some 1.6 routes an expert at 16 tokens);
 - the codes' layout conversion to dot operands;
@@ -83,12 +93,12 @@ BM = 16  # routes a block (`moe._align`); tl.dot's M
 # (BN, num_warps, unroll) of both kernels by default. Measured with gate and up in two rolled
 # loops one after the other (bench_gpu_kernels.py --moe-mma, H100, module doc): 64 rows and 4
 # warps the best of (32, 4), (64, 4), (64, 8), (128, 8). Since, gate and up share one loop and a
-# chunk's super-blocks are unrolled (not measured yet): 32 rows keep a chunk's codes of both
-# (4 super-blocks, 2 x 32 rows x 144 bytes) in registers.
+# chunk's super-blocks are unrolled (measured slower: module doc): 32 rows keep a chunk's
+# codes of both (4 super-blocks, 2 x 32 rows x 144 bytes) in registers.
 MMA_TILES = (32, 4, True)
-# (BN, num_warps) of the fp16 form's kernels by default: fewest instructions a weight of (32, 4),
-# (64, 4), (64, 8), (128, 4), (128, 8) in their sm_90 SASS (4.1 against 4.4-12; not timed yet)
-F16_TILES = (128, 4)
+# (BN, num_warps) of the fp16 form's kernels by default: the fastest of (64, 4), (128, 4),
+# (128, 8) at 2-16 tokens on an H100 for both formats (module doc)
+F16_TILES = (64, 4)
 FORMS = ("i8", "f16")
 F16_FORMATS = (F_NVFP4, Q4_K)  # weight formats the fp16 form decodes
 MMA_FORM = "i8"  # the form FREETOKEN_GPU_MOE_MMA runs where FREETOKEN_GPU_MOE_MMA_FORM is unset
