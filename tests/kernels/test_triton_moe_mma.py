@@ -252,7 +252,6 @@ def test_f16_within_float64_bound(tokens, topk, hot, act, mapped, tiles, fmt):
     tol = tol + BF16_OUT * ref.abs() + 1e-30
     err = (y - ref).abs()
     assert bool((err <= tol).all()), f"max error / bound {float((err / tol).max()):.2f}"
-    print(f"{fmt}: max error / bound {float((err / tol).max()):.2f}")
 
 
 def test_mma_reads_attached_codes():

@@ -385,8 +385,7 @@ def _e2m1_f16(q, sc, ASM: tl.constexpr):
     """q int16 [BN, 16] (NVFP4 code bytes 2m, 2m + 1: values 4m .. 4m + 3), sc uint8 (each
     word's E4M3 block scale, widened to 16 bits for the PTX): fp16 [BN, 16] x 4, the values
     4m, 4m + 1, 4m + 2, 4m + 3 (exact: see above). With ASM the PTX above; without (Triton's
-    interpreter, GPUs before sm_89) `quant._e2m1` and
-    `_e4m3` in fp32, the same values."""
+    interpreter, GPUs before sm_89) `quant._e2m1` and `_e4m3` in fp32, the same values."""
     if ASM:
         p, q1, r, t = tl.inline_asm_elementwise(
             _E2M1_F16, "=r,=r,=r,=r,r,r", [q, sc.to(tl.int16)],
