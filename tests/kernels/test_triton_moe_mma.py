@@ -223,13 +223,8 @@ def _f16_reference(x, bank, ids, rw, emap, act, values=_q4_k_f16):
 
 
 # (tokens, top-k, hot experts, activation, experts mapped to -1, tiles, weight format)
-# On an H100 (2026-12-07) the 24-token Q4_K case gave inf in 71 outputs of one token, with
-# every tile (`moe_mma` module doc): a known defect, not found yet, so it is expected to fail
-# there (strict: once fixed, the mark must go).
-_F16_GPU_DEFECT = pytest.mark.xfail(CUDA, reason="moe_mma f16 form: inf outputs with Q4_K on "
-                                    "the GPU (module doc)", strict=True)
 F16_CASES = [(2, 2, E, "silu", 0, None, "Q4_K"), (16, 4, 6, "gelu_tanh", 2, (32, 4), "Q4_K"),
-             pytest.param(24, 4, 5, "silu", 1, (128, 8), "Q4_K", marks=_F16_GPU_DEFECT),
+             (24, 4, 5, "silu", 1, (128, 8), "Q4_K"),
              (3, 2, E, "gelu_tanh", 1, None, "nvfp4"), (20, 4, 5, "silu", 0, (64, 4), "nvfp4")]
 
 
@@ -245,7 +240,9 @@ def test_f16_within_float64_bound(tokens, topk, hot, act, mapped, tiles, fmt):
     emap = _map(ids, mapped) if mapped else None
     assert supported_mma(bank, x.dtype, "f16")
     y = fused_moe_mma(x.to(DEV), bank, ids.to(DEV), w.to(DEV), act,
-                      None if emap is None else emap.to(DEV), tiles, "f16").double().cpu()
+                      None if emap is None else emap.to(DEV), tiles, "f16")
+    assert y.dtype == x.dtype, "the output is in x's dtype (fused_moe_triton's contract)"
+    y = y.double().cpu()
     full = torch.arange(E, dtype=torch.int32) if emap is None else emap
     ref, tol = _f16_reference(x.float(), host, ids, w, full, act,
                               _nvfp4_f64 if fmt == "nvfp4" else _q4_k_f16)

@@ -47,12 +47,11 @@ weights are exactly the codec's. Timed on an H100 (bench_gpu_kernels.py --moe-mm
 weights from HBM, 2026-12-07), us a layer at 2 / 4 / 8 / 16 tokens at its best tiles (64 rows,
 4 warps): Q4_K 63.4 / 90.3 / 117.7 / 170.8 against the per-route GEMVs' 25.3 / 40.2 / 65.3 /
 106.1 (the int8 form 77.8 / 116.7 / 183.0 / 275.1), NVFP4 116.5 / 166.6 / 296.2 / 426.2
-against 22.3 / 39.8 / 61.0 / 100.7: slower still, so it stays on request. Known defect (same
-run): with Q4_K experts on the GPU, one token of the 24-token test case (GLU outputs up to
-5,488) came out inf in 71 of its 2,048 outputs, with every tile, deterministically; halving x
-gave none; the NVFP4 cases and the other Q4_K ones were within their bound. Not found yet:
-a, the gate/up output, was finite, and an fp16 dot of products above fp16's range summed
-exactly in fp32 there.
+against 22.3 / 39.8 / 61.0 / 100.7: slower still, so it stays on request. Its results once
+came back in fp16 whatever x's dtype (the bf16 x converted for the kernels took the result's
+dtype with it): a token of the 24-token test case whose sums passed fp16's range (up to
+95,366) read inf on the GPU, where the test runs at the 30B's hidden size; the result is now
+in x's dtype and the test checks it.
 Where the int8 form's time went is not known yet. Suspects:
 - each program ran gate's whole K and then up's in rolled loops: 16 dependent rounds of loads
   (hidden 2048) against the per-route GEMV's two unrolled chunks; gate and up now share one
@@ -686,6 +685,7 @@ def _fused_f16(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     if r == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    out_dtype = x.dtype  # the result's, whatever the kernels read x as
     if x.dtype != torch.float16:  # once here, not in every program
         x16 = torch.empty(t, h, dtype=torch.float16, device=x.device)
         _f16_rows_kernel[(t, triton.cdiv(h, 1024))](x, x16, x.stride(0), h, BLOCK=1024,
@@ -712,7 +712,7 @@ def _fused_f16(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         a, w2, s2, scales, route_ids, block_slot, topk_weights.reshape(-1).contiguous(), y, r,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), sb,
         FMT=fmt, K=inter, HIDDEN=h, BM=BM, BN=bn, ASM=ptx, num_warps=warps, **pdl.opts())
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, h, dtype=out_dtype, device=x.device)
     _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                    num_warps=4, **pdl.opts())
     return out
