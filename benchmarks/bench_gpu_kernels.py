@@ -8,6 +8,8 @@
         # int8 GEMVs against the int8 tensor-core kernels (moe_mma.py), weights from HBM
     python benchmarks/bench_gpu_kernels.py --moe-routes   # the per-route MoE: bound by its
         # routes or by the distinct experts' bytes
+    python benchmarks/bench_gpu_kernels.py --moe-maxnreg 0,128,96,64   # the per-route MoE
+        # with its registers capped (occupancy against spills), weights from HBM
     python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge,
         # and the q/k norm, rotary and KV store in its launch against a launch of their own
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 
@@ -404,6 +407,42 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
             tail = f"   {best[0]} {best[1] * 1e3:.1f} us" if best else ""
             print(f"{fmt:6s} {t:3d} {route * 1e3:12.1f}  " + "  ".join(cells) + tail,
                   flush=True)
+
+
+def bench_moe_maxnreg(caps: list[int], tokens: tuple[int, ...] = (1, 2, 4, 8, 16),
+                      e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
+    """The per-route MoE (today's decode path, 30B shape, bf16 x quantized by the RMSNorm
+    before it, weights from HBM: 64 random routings cycled in one CUDA graph) with its
+    kernels' registers capped (FREETOKEN_GPU_MOE_MAXNREG; 0: the compiler's choice): us a
+    layer per cap, and each cap's ratio to the compiler's choice (below 1: faster)."""
+    from freetoken import kernels
+    from freetoken.kernels.triton.moe import fused_moe_triton
+
+    nw = torch.rand(h, device="cuda") + 0.5
+    print(f"{'format':6s} {'T':>3s} " + "  ".join(f"{'cap ' + str(c):>14s}" for c in caps))
+    saved = os.environ.get("FREETOKEN_GPU_MOE_MAXNREG")
+    try:
+        for fmt in ("Q4_K", "nvfp4"):
+            bank = random_bank(fmt, e, h, inter)
+            for t in tokens:
+                torch.manual_seed(t)
+                x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16),
+                                     nw, 1e-6, quantize=True)
+                rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+                idss = [routing(t, e, topk) for _ in range(64)]
+                cells, base = [], None
+                for cap in caps:
+                    os.environ["FREETOKEN_GPU_MOE_MAXNREG"] = str(cap)
+                    ms = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw,
+                                                      "silu") for ids in idss])
+                    base = ms if base is None else base
+                    cells.append(f"{ms * 1e3:6.1f} ({ms / base:4.2f})")
+                print(f"{fmt:6s} {t:3d} " + "  ".join(f"{c:>14s}" for c in cells), flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop("FREETOKEN_GPU_MOE_MAXNREG", None)
+        else:
+            os.environ["FREETOKEN_GPU_MOE_MAXNREG"] = saved
 
 
 def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
@@ -804,6 +843,10 @@ def main() -> None:
     p.add_argument("--moe-mma", action="store_true",
                    help="only time one MoE layer (30B shape, Q4_K, weights from HBM) at 2-16 "
                         "tokens: per-route int8 GEMVs against the int8 tensor-core kernels")
+    p.add_argument("--moe-maxnreg", default=None, metavar="N,N",
+                   help="only time the per-route MoE (30B shape, weights from HBM) at 1-16 "
+                        "tokens with its kernels' registers capped at each N (0 first: the "
+                        "compiler's choice, the ratios' base)")
     p.add_argument("--moe-routes", action="store_true",
                    help="only time one MoE layer (30B shape) at 1, 4 and 16 tokens over random, "
                         "8 shared and all distinct experts: bound by routes or by bytes")
@@ -859,6 +902,9 @@ def main() -> None:
                      "kernels from CUDA graphs); on the CPU the kernels' tests run under "
                      "Triton's interpreter: pytest tests/kernels/test_triton_moe_mma.py")
         bench_moe_mma()
+        return
+    if a.moe_maxnreg:
+        bench_moe_maxnreg([int(c) for c in a.moe_maxnreg.split(",")])
         return
     if a.moe_routes:
         bench_moe_routes()

@@ -220,6 +220,25 @@ def gpu_moe_one_tiles() -> tuple[int, int, int] | None:
     return _tiles("FREETOKEN_GPU_MOE_ONE_TILES")
 
 
+def gpu_moe_maxnreg() -> int | None:
+    """FREETOKEN_GPU_MOE_MAXNREG=N: the fused MoE's per-route decode kernels (gate / up, down,
+    down-and-sum; 1 to 16 tokens) compiled with at most N registers a thread (PTX .maxnreg,
+    Triton's `maxnreg`), for measuring occupancy against spills (benchmarks/ab_env.py,
+    bench_gpu_kernels.py --moe-routes --moe-maxnreg). Unset or 0: the compiler's choice.
+    N a multiple of 8 in 32-255."""
+    v = os.environ.get("FREETOKEN_GPU_MOE_MAXNREG", "").strip()
+    if not v or v == "0":
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise ValueError(f"FREETOKEN_GPU_MOE_MAXNREG={v!r} is not an integer") from None
+    if not (32 <= n <= 255 and n % 8 == 0):
+        raise ValueError(f"FREETOKEN_GPU_MOE_MAXNREG={v!r}: a multiple of 8 in 32-255 (or 0: "
+                         "the compiler's choice)")
+    return n
+
+
 def gpu_moe_down_tiles() -> tuple[int, int, int] | None:
     """FREETOKEN_GPU_MOE_DOWN_TILES=BNxBKxWARPS: the tiles of the fused MoE's per-route int8
     down GEMV at every decode size (1 to 16 tokens), over the default and

@@ -172,11 +172,15 @@ def test_norm_route_split(monkeypatch):
      (("0", "1 or more"), ("-2", "1 or more"), ("four", "not an integer"))),
     ("FREETOKEN_MOE_AHEAD_DELAY_US", env.moe_ahead_delay_us, 0, (("12", 12),),
      (("-1", "0 to 1000"), ("1001", "0 to 1000"), ("soon", "not an integer"))),
+    ("FREETOKEN_GPU_MOE_MAXNREG", env.gpu_moe_maxnreg, None, (("0", None), (" 96 ", 96),
+                                                             ("32", 32), ("248", 248)),
+     (("100", "multiple of 8"), ("24", "32-255"), ("256", "32-255"), ("many", "not an integer"))),
 ])
 def test_integer_switch(name, read, unset, good, bad, monkeypatch):
-    """FREETOKEN_GPU_LINEAR_MT (0-16), FREETOKEN_GPU_ATTN_MERGE_SPLITS (from 1 on) and
-    FREETOKEN_MOE_AHEAD_DELAY_US (0-1000, 0 when unset): the unset value, integers in range
-    as given, anything else an error naming the switch."""
+    """FREETOKEN_GPU_LINEAR_MT (0-16), FREETOKEN_GPU_ATTN_MERGE_SPLITS (from 1 on),
+    FREETOKEN_MOE_AHEAD_DELAY_US (0-1000, 0 when unset) and FREETOKEN_GPU_MOE_MAXNREG
+    (multiples of 8 in 32-255; 0 or unset: None): the unset value, integers in range as
+    given, anything else an error naming the switch."""
     monkeypatch.delenv(name, raising=False)
     assert read() == unset
     for v, n in good:

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from freetoken import env
 from freetoken.kernels.norm import FOLD_ROWS, fold_buffers, fold_done
-from freetoken.kernels.triton import pdl
+from freetoken.kernels.triton import interpreting, pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive, sum_when_last
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
 from freetoken.kernels.triton.gemv_i8 import (
@@ -713,6 +713,9 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     rw = topk_weights.reshape(-1).contiguous()
     nb = block_slot.numel()
     bn, bk, warps, i8 = up
+    # the per-route kernels' register cap (occupancy against spills), where asked
+    nreg = env.gpu_moe_maxnreg() if bm == 1 and not interpreting() else None
+    regs = {} if nreg is None else {"maxnreg": nreg}
     q = xq_rows(x, t, h) if i8 else None
     xs = x if q is None else q  # the int8 GEMV reads x quantized ahead where it was
     # the GLU output quantized once, by gate/up programs of whole 32-value blocks, for an
@@ -732,7 +735,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         FMT=f13, DOT=dot, ACT=_ACT[activation], BM=bm, BN=bn, BK=bk,
         FAST=has_fast_tile(f13, h, bk), UNROLL=_unroll(unroll, bm, bn, h, bk),
         MAP=mapped, I8=i8, ASM=asm(), XQ=q is not None, QA=qa, stride_bs=sb,
-        num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+        num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **regs)
     bn, bk, warps, i8 = down
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if down_sum is None:  # (int8: decode only) one chunk: down and the routes' sum together
@@ -742,7 +745,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
             a, w2, s2, scales, route_ids, emap, rw, out, a.stride(0), w2.stride(0),
             w2.stride(1), s2.stride(0), s2.stride(-2), out.stride(0), K=inter, HIDDEN=h,
             TOPK=topk, FMT=f2, BN=bn, BK=bk, MAP=mapped, ASM=asm(), XQ=qa, stride_bs=sb,
-            num_warps=warps, enable_fp_fusion=False, **pdl.opts())
+            num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **regs)
         return out
     y = (torch.empty if expert_map is None or mapped else torch.zeros)(
         r, h, dtype=torch.float32, device=x.device)
@@ -758,7 +761,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         UNROLL=_unroll(unroll, bm, bn, inter, bk), MAP=mapped, I8=i8, ASM=asm(), XQ=qa,
         SUM=sums, count_ptr=counters("down_sum", SUM_COUNTERS, x.device) if sums else None,
         out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
-        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **norm)
+        stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **norm, **regs)
     if not sums:
         _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                        num_warps=4, **pdl.opts())
