@@ -8,8 +8,8 @@
         # int8 GEMVs against the int8 tensor-core kernels (moe_mma.py), weights from HBM
     python benchmarks/bench_gpu_kernels.py --moe-routes   # the per-route MoE: bound by its
         # routes or by the distinct experts' bytes
-    python benchmarks/bench_gpu_kernels.py --moe-maxnreg 0,128,96,64   # the per-route MoE
-        # with its registers capped (occupancy against spills), weights from HBM
+    python benchmarks/bench_gpu_kernels.py --moe-switch FREETOKEN_GPU_MOE_MAXNREG=0,128,96
+        # the per-route MoE under each value of a switch (tiles, register caps), from HBM
     python benchmarks/bench_gpu_kernels.py --attention   # decode attention's split-K merge,
         # and the q/k norm, rotary and KV store in its launch against a launch of their own
 
@@ -409,18 +409,19 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
                   flush=True)
 
 
-def bench_moe_maxnreg(caps: list[int], tokens: tuple[int, ...] = (1, 2, 4, 8, 16),
-                      e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
+def bench_moe_switch(name: str, values: list[str], tokens: tuple[int, ...] = (1, 2, 4, 8, 16),
+                     e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
     """The per-route MoE (today's decode path, 30B shape, bf16 x quantized by the RMSNorm
-    before it, weights from HBM: 64 random routings cycled in one CUDA graph) with its
-    kernels' registers capped (FREETOKEN_GPU_MOE_MAXNREG; 0: the compiler's choice): us a
-    layer per cap, and each cap's ratio to the compiler's choice (below 1: faster)."""
+    before it, weights from HBM: 64 random routings cycled in one CUDA graph) under each value
+    of the environment switch `name` (FREETOKEN_GPU_MOE_MAXNREG, FREETOKEN_GPU_MOE_ROUTE_TILES,
+    ...; "" unset): us a layer per value, and each one's ratio to the first's (below 1:
+    faster)."""
     from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
 
     nw = torch.rand(h, device="cuda") + 0.5
-    print(f"{'format':6s} {'T':>3s} " + "  ".join(f"{'cap ' + str(c):>14s}" for c in caps))
-    saved = os.environ.get("FREETOKEN_GPU_MOE_MAXNREG")
+    print(f"{'format':6s} {'T':>3s} " + "  ".join(f"{v or 'unset':>16s}" for v in values))
+    saved = os.environ.get(name)
     try:
         for fmt in ("Q4_K", "nvfp4"):
             bank = random_bank(fmt, e, h, inter)
@@ -431,18 +432,18 @@ def bench_moe_maxnreg(caps: list[int], tokens: tuple[int, ...] = (1, 2, 4, 8, 16
                 rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
                 idss = [routing(t, e, topk) for _ in range(64)]
                 cells, base = [], None
-                for cap in caps:
-                    os.environ["FREETOKEN_GPU_MOE_MAXNREG"] = str(cap)
+                for v in values:
+                    os.environ[name] = v
                     ms = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw,
                                                       "silu") for ids in idss])
                     base = ms if base is None else base
                     cells.append(f"{ms * 1e3:6.1f} ({ms / base:4.2f})")
-                print(f"{fmt:6s} {t:3d} " + "  ".join(f"{c:>14s}" for c in cells), flush=True)
+                print(f"{fmt:6s} {t:3d} " + "  ".join(f"{c:>16s}" for c in cells), flush=True)
     finally:
         if saved is None:
-            os.environ.pop("FREETOKEN_GPU_MOE_MAXNREG", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["FREETOKEN_GPU_MOE_MAXNREG"] = saved
+            os.environ[name] = saved
 
 
 def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 8) -> None:
@@ -843,10 +844,11 @@ def main() -> None:
     p.add_argument("--moe-mma", action="store_true",
                    help="only time one MoE layer (30B shape, Q4_K, weights from HBM) at 2-16 "
                         "tokens: per-route int8 GEMVs against the int8 tensor-core kernels")
-    p.add_argument("--moe-maxnreg", default=None, metavar="N,N",
+    p.add_argument("--moe-switch", default=None, metavar="NAME=V,V",
                    help="only time the per-route MoE (30B shape, weights from HBM) at 1-16 "
-                        "tokens with its kernels' registers capped at each N (0 first: the "
-                        "compiler's choice, the ratios' base)")
+                        "tokens under each value of an environment switch (an empty value: "
+                        "unset; the first value is the ratios' base), e.g. "
+                        "FREETOKEN_GPU_MOE_MAXNREG=0,128,96")
     p.add_argument("--moe-routes", action="store_true",
                    help="only time one MoE layer (30B shape) at 1, 4 and 16 tokens over random, "
                         "8 shared and all distinct experts: bound by routes or by bytes")
@@ -903,8 +905,11 @@ def main() -> None:
                      "Triton's interpreter: pytest tests/kernels/test_triton_moe_mma.py")
         bench_moe_mma()
         return
-    if a.moe_maxnreg:
-        bench_moe_maxnreg([int(c) for c in a.moe_maxnreg.split(",")])
+    if a.moe_switch:
+        name, eq, values = a.moe_switch.partition("=")
+        if not eq or not name.startswith("FREETOKEN_"):
+            p.error(f"--moe-switch {a.moe_switch!r}: NAME=V,V with a FREETOKEN_ switch")
+        bench_moe_switch(name, values.split(","))
         return
     if a.moe_routes:
         bench_moe_routes()

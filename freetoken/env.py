@@ -224,7 +224,7 @@ def gpu_moe_maxnreg() -> int | None:
     """FREETOKEN_GPU_MOE_MAXNREG=N: the fused MoE's per-route decode kernels (gate / up, down,
     down-and-sum; 1 to 16 tokens) compiled with at most N registers a thread (PTX .maxnreg,
     Triton's `maxnreg`), for measuring occupancy against spills (benchmarks/ab_env.py,
-    bench_gpu_kernels.py --moe-routes --moe-maxnreg). Unset or 0: the compiler's choice.
+    bench_gpu_kernels.py --moe-switch). Unset or 0: the compiler's choice.
     N a multiple of 8 in 32-255."""
     v = os.environ.get("FREETOKEN_GPU_MOE_MAXNREG", "").strip()
     if not v or v == "0":

@@ -714,11 +714,12 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     nb = block_slot.numel()
     bn, bk, warps, i8 = up
     # the per-route kernels' register cap (occupancy against spills), on request only: on an
-    # H100 (bench_gpu_kernels.py --moe-maxnreg 0,128,96,72, weights from HBM, 2026-12-07) every
-    # cap lost from 2 tokens on, Q4_K at 16 tokens 106.6 us a layer uncapped against 126.8 /
-    # 183.6 / 270.8 (NVFP4 100.5 against 104.5 / 128.4 / 206.3), one token unchanged (15.9 /
-    # 15.7 / 15.8 / 17.6); end to end 30B Q4_K fused (ab_env.py) batch 16 2,238.1 -> 1,966.0
-    # tok/s at 128, batch 4 1,095.9 -> 1,031.4: the spills cost more than the occupancy gains
+    # H100 (bench_gpu_kernels.py --moe-switch FREETOKEN_GPU_MOE_MAXNREG=0,128,96,72, weights
+    # from HBM, 2026-12-07) every cap lost from 2 tokens on, Q4_K at 16 tokens 106.6 us a
+    # layer uncapped against 126.8 / 183.6 / 270.8 (NVFP4 100.5 against 104.5 / 128.4 /
+    # 206.3), one token unchanged (15.9 / 15.7 / 15.8 / 17.6); end to end 30B Q4_K fused
+    # (ab_env.py) batch 16 2,238.1 -> 1,966.0 tok/s at 128, batch 4 1,095.9 -> 1,031.4: the
+    # spills cost more than the occupancy gains
     nreg = env.gpu_moe_maxnreg() if bm == 1 and not interpreting() else None
     regs = {} if nreg is None else {"maxnreg": nreg}
     q = xq_rows(x, t, h) if i8 else None
