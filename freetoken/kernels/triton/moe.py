@@ -463,7 +463,11 @@ def _tiles(tokens: int, topk: int, bank: ExpertBank, dot: int) -> tuple[int, int
 # top-8, us) Q4_K 16 rows 133.5, 32 106.7, 64 97.1, 128 (8 warps) 127.0; NVFP4 118.0 / 109.1
 # / 125.7; 8 warps lost everywhere. End to end (benchmarks/ab_env.py, fused, tok/s, these
 # tiles against 16 rows): 30B Q4_K batch 4 945.9 -> 1033.2, 16 1937.8 -> 2401.5 (32 rows:
-# 1001.0 / 2258.1); 35B NVFP4 1038.6 -> 1053.5 and 2195.7 -> 2224.5.
+# 1001.0 / 2258.1); 35B NVFP4 1038.6 -> 1053.5 and 2195.7 -> 2224.5. Wider chunks and fewer
+# warps lost too, from HBM on an H100 (bench_gpu_kernels.py --moe-switch
+# FREETOKEN_GPU_MOE_ROUTE_TILES=,64x2048x4,64x1024x2,32x2048x4,64x2048x8,128x1024x4,
+# 2026-12-07), us a layer at 2 / 16 tokens: Q4_K these tiles 26.1 / 107.3, the others 27.8-49.7
+# / 116.9-144.6; NVFP4 22.3 / 102.1 against 26.4-84.4 / 118.7-358.6.
 ROUTE_TILES = {1: (32, 1024, 4), 13: (64, 1024, 4)}
 
 
