@@ -130,6 +130,7 @@ def test_grouped_matches_reference_interpreter(f13, f2, tokens, hot, act, use_ma
     _check(fused_moe_reference(x, bank, ids, w, act, emap), ref, mag)  # the torch oracle
     y = fused_moe_triton(x, _device_bank(bank), ids, w, act, emap, grouped=True,
                          group_tiles=gtiles)
+    assert y.dtype == x.dtype, "the output is in x's dtype (fused_moe_triton's contract)"
     _check(y, ref, mag)
 
 
