@@ -226,17 +226,12 @@ def gpu_moe_maxnreg() -> int | None:
     Triton's `maxnreg`), for measuring occupancy against spills (benchmarks/ab_env.py,
     bench_gpu_kernels.py --moe-switch). Unset or 0: the compiler's choice.
     N a multiple of 8 in 32-255."""
-    v = os.environ.get("FREETOKEN_GPU_MOE_MAXNREG", "").strip()
-    if not v or v == "0":
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"FREETOKEN_GPU_MOE_MAXNREG={v!r} is not an integer") from None
-    if not (32 <= n <= 255 and n % 8 == 0):
-        raise ValueError(f"FREETOKEN_GPU_MOE_MAXNREG={v!r}: a multiple of 8 in 32-255 (or 0: "
-                         "the compiler's choice)")
-    return n
+    name = "FREETOKEN_GPU_MOE_MAXNREG"
+    why = "a multiple of 8 in 32-255 (or 0: the compiler's choice)"
+    n = _int(name, 0, 255, why)
+    if n and (n < 32 or n % 8):
+        raise ValueError(f"{name}={os.environ[name].strip()!r}: {why}")
+    return n or None
 
 
 def gpu_moe_down_tiles() -> tuple[int, int, int] | None:
