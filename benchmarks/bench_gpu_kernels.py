@@ -373,7 +373,6 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
     one CUDA graph, as `bench_hbm_tiles`): the per-route int8 GEMVs (today's default) against
     the tensor-core kernels (`moe_mma.py`) at each form and tiles of MMA_SWEEP the format
     takes ("-": not). us a layer, one line per format and token count; the best last."""
-    from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
     from freetoken.kernels.triton.moe_mma import fused_moe_mma, supported_mma
 
@@ -383,10 +382,7 @@ def bench_moe_mma(tokens: tuple[int, ...] = (2, 4, 8, 16), e: int = 128, h: int 
     for fmt in formats:
         bank = random_bank(fmt, e, h, inter)
         for t in tokens:
-            torch.manual_seed(t)
-            x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw,
-                                 1e-6, quantize=True)  # the codes attached, as at decode
-            rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+            x, rw = moe_inputs(t, h, topk, nw)
             idss = [routing(t, e, topk) for _ in range(64)]
             route = cycled_ms([functools.partial(fused_moe_triton, x, bank, ids, rw, "silu")
                                for ids in idss])
@@ -416,7 +412,6 @@ def bench_moe_switch(name: str, values: list[str], tokens: tuple[int, ...] = (1,
     of the environment switch `name` (FREETOKEN_GPU_MOE_MAXNREG, FREETOKEN_GPU_MOE_ROUTE_TILES,
     ...; "" unset): us a layer per value, and each one's ratio to the first's (below 1:
     faster)."""
-    from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
 
     nw = torch.rand(h, device="cuda") + 0.5
@@ -426,10 +421,7 @@ def bench_moe_switch(name: str, values: list[str], tokens: tuple[int, ...] = (1,
         for fmt in ("Q4_K", "nvfp4"):
             bank = random_bank(fmt, e, h, inter)
             for t in tokens:
-                torch.manual_seed(t)
-                x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16),
-                                     nw, 1e-6, quantize=True)
-                rw = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+                x, rw = moe_inputs(t, h, topk, nw)
                 idss = [routing(t, e, topk) for _ in range(64)]
                 cells, base = [], None
                 for v in values:
@@ -453,7 +445,6 @@ def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 
     fifth of the bytes at 16 tokens, the rest read again from L2) and over as many distinct
     experts as routes. If the time follows the routes, not the distinct bytes, the per-route
     work (each route expanding its expert's codes) bounds it, not HBM."""
-    from freetoken import kernels
     from freetoken.kernels.triton.moe import fused_moe_triton
 
     print(f"{'format':6s} {'T':>3s} {'routing':9s} {'experts':>7s} {'routes':>6s} {'us':>7s} "
@@ -464,10 +455,7 @@ def bench_moe_routes(e: int = 128, h: int = 2048, inter: int = 768, topk: int = 
         emap = torch.arange(e, dtype=torch.int32, device="cuda")
         nw = torch.rand(h, device="cuda") + 0.5
         for t in (1, 4, 16):
-            torch.manual_seed(t)
-            x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw,
-                                 1e-6, quantize=True)
-            w = torch.softmax(torch.randn(t, topk, device="cuda"), -1)
+            x, w = moe_inputs(t, h, topk, nw)
             cases = {
                 "random": routing(t, e, topk),
                 "same 8": torch.arange(topk, device="cuda").repeat(t, 1),
@@ -570,6 +558,17 @@ def routing(t: int, e: int, topk: int) -> torch.Tensor:
     """Random top-k expert ids [t, topk] on the GPU, distinct within each token (uniform
     routing, as random weights route)."""
     return torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(t)])
+
+
+def moe_inputs(t: int, h: int, topk: int, nw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's MoE inputs at t tokens, seeded by t: x [t, h] in bf16 through the
+    RMSNorm (weight nw) with its codes attached, as at decode, and softmax route weights."""
+    from freetoken import kernels
+
+    torch.manual_seed(t)
+    x = kernels.rms_norm(torch.randn(t, h, device="cuda", dtype=torch.bfloat16), nw, 1e-6,
+                         quantize=True)
+    return x, torch.softmax(torch.randn(t, topk, device="cuda"), -1)
 
 
 def cycled_ms(fns: list) -> float:
