@@ -42,6 +42,7 @@ def _restore(saved: dict[str, str | None]) -> None:
 
 def _setting(text: str) -> tuple[dict[str, str], dict[str, object]]:
     """'A=1,moe_cache_rate=0.25' -> (environment switches, engine fields)."""
+    from freetoken import env as switches
     from freetoken.config import EngineConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
@@ -51,6 +52,9 @@ def _setting(text: str) -> tuple[dict[str, str], dict[str, object]]:
         if not eq:
             raise SystemExit(f"--set {text!r}: {pair!r} is not NAME=VALUE")
         if name.startswith("FREETOKEN_"):
+            if not switches.known(name):
+                raise SystemExit(f"--set {text!r}: {name!r} is no FreeToken switch "
+                                 "(freetoken/env.py lists them)")
             env[name] = value
         elif name in fields:
             cfg[name] = None if value in ("", "none", "None") else _typed(value)

@@ -906,8 +906,11 @@ def main() -> None:
         return
     if a.moe_switch:
         name, eq, values = a.moe_switch.partition("=")
-        if not eq or not name.startswith("FREETOKEN_"):
-            p.error(f"--moe-switch {a.moe_switch!r}: NAME=V,V with a FREETOKEN_ switch")
+        from freetoken import env
+
+        if not eq or not env.known(name):
+            p.error(f"--moe-switch {a.moe_switch!r}: NAME=V,V with a FreeToken switch "
+                    "(freetoken/env.py lists them)")
         bench_moe_switch(name, values.split(","))
         return
     if a.moe_routes:

@@ -5,7 +5,23 @@ Read through the functions below (at call time, so tests can monkeypatch the env
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
+
+
+@functools.cache
+def _names() -> frozenset[str]:
+    """The switch names this module quotes."""
+    return frozenset(re.findall(r'"(FREETOKEN_[A-Z0-9_]+)"', Path(__file__).read_text()))
+
+
+def known(name: str) -> bool:
+    """Whether `name` is a switch FreeToken reads: every one is named here, quoted, by the
+    function that reads it (or in CPU_MOE_NATIVE_SWITCHES). For tools that set switches by
+    name (benchmarks/ab_env.py --set), so that a misspelt one is refused, not ignored."""
+    return name in _names()
 
 
 def _flag(name: str) -> bool:

@@ -207,3 +207,13 @@ def test_moe_grouped(monkeypatch):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=why):
             env.gpu_moe_grouped()
+
+
+def test_known_switches():
+    """env.known: the switches this module reads (and the executor's native ones) by name; a
+    misspelt or foreign name, or a name without the prefix, is not one."""
+    for name in ("FREETOKEN_GPU_MOE_MAXNREG", "FREETOKEN_GPU_PDL", "FREETOKEN_CACHE",
+                 "FREETOKEN_CPU_MOE_PREFETCH_L2"):
+        assert env.known(name), name
+    for name in ("FREETOKEN_GPU_MOE_MAXNRG", "FREETOKEN_", "GPU_PDL", "PATH"):
+        assert not env.known(name), name

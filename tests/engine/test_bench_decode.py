@@ -285,6 +285,8 @@ def test_ab_env_alternates_settings(capsys, monkeypatch):
     assert "FREETOKEN_GPU_SIDE_STREAM" not in os.environ
     with pytest.raises(SystemExit, match="neither a FREETOKEN_ switch nor an engine field"):
         ab_env.main(common + ["--set", "bogus=1", "--set", "moe_cache_rate=0.25"])
+    with pytest.raises(SystemExit, match="'FREETOKEN_GPU_SIDE_STREEM' is no FreeToken switch"):
+        ab_env.main(common + ["--set", "FREETOKEN_GPU_SIDE_STREEM=0", "--set", "a=1"])
     with pytest.raises(SystemExit, match="give one --set setting or more"):
         ab_env.main(common)
     with pytest.raises(SystemExit, match="--rounds must be at least 1"):
