@@ -9,8 +9,9 @@ than most changes do; the expert-cache backends' CPU side most of all).
 Each `--set` is one setting: comma-separated NAME=VALUE pairs, environment switches
 (freetoken/env.py, read when an engine is built or a kernel launched) or engine fields
 (`moe_hybrid_max_fetch=1`, `moe_cache_rate=0.25`: EngineConfig's names), applied on top of
-the engine flags. The model is loaded once (`ft bench decode --moe-backends` reuses it the
-same way); each engine's CPU threads stop before the next one starts. A warm-up round
+the engine flags; a FREETOKEN_ name that freetoken/env.py does not read is refused. The
+model is loaded once (`ft bench decode --moe-backends` reuses it the same way); each engine's
+CPU threads stop before the next one starts. A warm-up round
 (`--warm-rounds`, default 1) runs every setting first and is not recorded: on the H200 the
 first engine's batch-1 steps ran at 88 tok/s against 141 a round later (host banks touched
 for the first time, kernels compiled). Prints a line per round (on Linux with what the host
