@@ -241,7 +241,7 @@ def gpu_moe_maxnreg() -> int | None:
     down-and-sum; 1 to 16 tokens) compiled with at most N registers a thread (PTX .maxnreg,
     Triton's `maxnreg`), for measuring occupancy against spills (benchmarks/ab_env.py,
     bench_gpu_kernels.py --moe-switch). Unset or 0: the compiler's choice.
-    N a multiple of 8 in 32-255."""
+    N a multiple of 8 in 32-255; NVIDIA GPUs only (set on ROCm, the launch is refused)."""
     name = "FREETOKEN_GPU_MOE_MAXNREG"
     why = "a multiple of 8 in 32-255 (or 0: the compiler's choice)"
     n = _int(name, 0, 255, why)

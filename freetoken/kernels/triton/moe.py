@@ -725,6 +725,9 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
     # (ab_env.py) batch 16 2,238.1 -> 1,966.0 tok/s at 128, batch 4 1,095.9 -> 1,031.4: the
     # spills cost more than the occupancy gains
     nreg = env.gpu_moe_maxnreg() if bm == 1 and not interpreting() else None
+    if nreg is not None and torch.version.hip is not None:
+        raise ValueError("FREETOKEN_GPU_MOE_MAXNREG caps registers through PTX (.maxnreg): "
+                         "NVIDIA GPUs only, not ROCm")
     regs = {} if nreg is None else {"maxnreg": nreg}
     q = xq_rows(x, t, h) if i8 else None
     xs = x if q is None else q  # the int8 GEMV reads x quantized ahead where it was
