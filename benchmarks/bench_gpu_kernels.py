@@ -706,7 +706,7 @@ def bench_plan(e: int = 256, k: int = 8, slots: int = 1024, layers: int = 160) -
     bank = ExpertBank(QuantWeight(torch.zeros(e, 32, 64), "f32", (e, 32, 64)),
                       QuantWeight(torch.zeros(e, 64, 16), "f32", (e, 64, 16)), torch.ones(e, 4))
     cache = SlotCache([bank] * layers, slots, "cuda")
-    table, cap = cache._limit_cap(FetchPolicy(0.3, None, "bench"))
+    table, cap, _ = cache._limit_cap(FetchPolicy(0.3, None, "bench"))
     off = layout(64, k, e, 2048)
     buf = torch.zeros(off["size"], dtype=torch.uint8, pin_memory=True)
     seq = torch.zeros(1, dtype=torch.int32, device="cuda")

@@ -31,7 +31,7 @@ import torch
 
 from freetoken.formats.qweight import QuantWeight
 from freetoken.moe.banks import ExpertBank
-from freetoken.moe.policy import LIMIT_TABLE, limit_table
+from freetoken.moe.policy import LIMIT_TABLE, FetchPolicy, limit_table
 
 ALIGN = 256  # bytes: every part of a slot starts on a 256-byte boundary (GPU loads, dtype views)
 COUNTERS = ("hits", "misses", "fetched", "cpu", "ahead", "ahead_hits")
@@ -170,8 +170,8 @@ class SlotCache:
         if self.plans_in_one_launch(ids):
             from freetoken.kernels.triton.slot_plan import plan_triton
 
-            table, cap = self._limit_cap(fetch_limit)
-            return plan_triton(self, layer, ids, table, cap, count, live, job)
+            table, cap, ahead_counts = self._limit_cap(fetch_limit)
+            return plan_triton(self, layer, ids, table, cap, count, live, job, ahead_counts)
         if job is not None:
             raise ValueError("SlotCache.plan: a job is posted by the one-launch plan only")
         base = layer * E
@@ -197,7 +197,10 @@ class SlotCache:
         n_miss = (cand_score >= 0).sum()
         # victims: the oldest slots this call does not use (hits were just stamped)
         vict, free, nv = self._victims(n)
-        limit = fetch_limit(n_miss) if callable(fetch_limit) else fetch_limit
+        if isinstance(fetch_limit, FetchPolicy):  # the slots filled ahead count as fetches
+            limit = (fetch_limit(n_miss + ahead_hits) - ahead_hits).clamp(min=0)
+        else:
+            limit = fetch_limit(n_miss) if callable(fetch_limit) else fetch_limit
         f = torch.minimum(torch.minimum(n_miss, free),
                           torch.as_tensor(limit, device=ids.device).clamp(0, nv))
         fetch = torch.arange(n, device=ids.device) < f
@@ -261,15 +264,16 @@ class SlotCache:
         return (victims[torch.arange(n, device=self.device).clamp(max=nv - 1)],
                 (~protected).sum(), nv)
 
-    def _limit_cap(self, fetch_limit) -> tuple[torch.Tensor, int]:
+    def _limit_cap(self, fetch_limit) -> tuple[torch.Tensor, int, bool]:
         """(the plan kernel's table of F for 0 .. LIMIT_TABLE - 1 misses, an int32 device
-        tensor; cap) of an int limit (every miss, capped) or a policy.FetchPolicy."""
+        tensor; cap; whether hits on slots filled ahead count as fetches) of an int limit
+        (every miss, capped) or a policy.FetchPolicy (they count: see `plan`)."""
         if isinstance(fetch_limit, int):
             policy, cap = None, fetch_limit
         else:
             policy, cap = fetch_limit, fetch_limit.cap
         table = limit_table(policy, LIMIT_TABLE, self.device)
-        return table, self.num_experts if cap is None else cap
+        return table, self.num_experts if cap is None else cap, policy is not None
 
     def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor,
                 stamp: torch.Tensor | None = None) -> None:

@@ -105,17 +105,22 @@ def _table(c: SlotCache) -> dict[tuple[int, int], int]:
 
 
 @pytest.mark.parametrize("slots,limit,ahead", [(5, 99, 0), (12, 99, 0), (12, 1, 0), (30, 2, 0),
-                                               (5, 1, 2), (12, 1, 1), (20, 2, 3)])
+                                               (5, 1, 2), (12, 1, 1), (20, 2, 3), (12, 0.5, 0),
+                                               (12, 0.5, 1), (20, 0.5, 2)])
 def test_lru_matches_python_model(slots, limit, ahead):
     """ahead: after each call, up to that many of the next layer's experts are given slots
     ahead of its call (`plan_ahead`), predicted from a route list that shares some of that
-    call's experts (so some fetched ahead are used, others evicted unused)."""
+    call's experts (so some fetched ahead are used, others evicted unused). A float limit is
+    hybrid's q* policy (at most 2): its fetches count the call's hits on slots filled ahead,
+    F = min(floor((misses + a + 1) q), 2) - a for a such hits."""
+    from freetoken.moe.policy import FetchPolicy
+
     banks = [_bank(i, False) for i in range(L)]
     c = SlotCache(banks, slots, "cpu")
     c.warm(banks)
     ref = LruModel(slots)
     ref.warm()
-    g = torch.Generator().manual_seed(slots * 100 + limit + 10 * ahead)
+    g = torch.Generator().manual_seed(int(slots * 100 + limit + 10 * ahead))
     total = {"hits": 0, "misses": 0, "fetched": 0, "ahead": 0}
     calls = [torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(1 + step % 3)])
              for step in range(61)]
@@ -123,8 +128,16 @@ def test_lru_matches_python_model(slots, limit, ahead):
     for step in range(60):
         layer = step % L
         ids = calls[step]
-        h, m, f = ref.call(layer, ids.flatten().tolist(), limit)
-        fetched = c.plan(layer, ids, limit)
+        lim, arg = limit, limit
+        if isinstance(limit, float):
+            held = ref.table()
+            routed = set(ids.flatten().tolist())
+            n_miss = len({e for e in routed if (layer, e) not in held})
+            a = sum(held.get((layer, e)) in ref.fresh for e in routed)
+            lim = max(0, min(2, int((n_miss + a + 1) * limit)) - a)
+            arg = FetchPolicy(limit, 2, "test")
+        h, m, f = ref.call(layer, ids.flatten().tolist(), lim)
+        fetched = c.plan(layer, ids, arg)
         total["hits"] += h
         total["misses"] += m
         total["fetched"] += f

@@ -32,14 +32,16 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
     (12, 0.3, False, None, 0), (30, 0.5, False, None, 0), (5, 99, True, None, 0),
     (12, 0.3, True, None, 0), (30, 99, False, 8, 0), (12, 0.5, True, 4, 0),
     (12, "model", False, None, 0), (30, "model", True, 8, 0), (12, 1, False, None, 2),
-    (12, 0.5, True, None, 1), (20, 1, True, 4, 3)])
+    (12, 0.5, True, None, 1), (20, 1, True, 4, 3), (20, 0.5, False, None, 2),
+    (16, "model", False, None, 1)])
 def test_plan_kernel_matches_python_model(slots, limit, pad, scan, ahead, monkeypatch):
     """pad: each call also carries two rows of a CUDA graph's padding past `live` (the
     hand-off's word): the plan must ignore them (the model never sees them). scan: chunks of
     that many slots (several a pool: the victim scans read last_use from memory, not from
     the one register chunk). ahead: after each call the ahead kernel gives up to that many
     of the next layer's predicted experts slots (`SlotCache.plan_ahead`), predictions that
-    share one route a row with the next call (some used, some evicted unused)."""
+    share one route a row with the next call (some used, some evicted unused); with a
+    policy's limit the hits on those slots count as fetches."""
     from freetoken.kernels.triton import slot_plan
     from freetoken.kernels.triton.slot_plan import ahead_triton, plan_triton
 
@@ -66,14 +68,18 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, ahead, monkey
         layer = step % L
         T = 1 + step % 3
         ids = calls[step]
-        n_miss = len({e for e in ids.flatten().tolist()} - {e for la, e in ref.table()
-                                                             if la == layer})
+        held = ref.table()
+        n_miss = len({e for e in ids.flatten().tolist()} - {e for la, e in held if la == layer})
+        # a policy's fetches count the hits on slots filled ahead (`SlotCache.plan`): F =
+        # min(F(misses + a), cap) - a; an int limit is every miss, capped
+        a = sum(held.get((layer, e)) in ref.fresh for e in set(ids.flatten().tolist()))
         if limit == "model":
-            lim = min(2, policy.limits(n_miss)[n_miss])
+            lim = max(0, min(2, policy.limits(n_miss + a)[n_miss + a]) - a)
         else:
-            lim = limit if isinstance(limit, int) else min(2, int((n_miss + 1) * limit))
+            lim = (limit if isinstance(limit, int)
+                   else max(0, min(2, int((n_miss + a + 1) * limit)) - a))
         h, m, f = ref.call(layer, ids.flatten().tolist(), lim)
-        table, cap = c._limit_cap(policy)
+        table, cap, ahead_counts = c._limit_cap(policy)
         live = None
         if pad:  # padding rows route anywhere; only the first T rows are real
             junk = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(2)])
@@ -81,7 +87,7 @@ def test_plan_kernel_matches_python_model(slots, limit, pad, scan, ahead, monkey
             ids_dev = torch.cat([ids, junk]).to(DEV)
         else:
             ids_dev = ids.to(DEV)
-        fetched = plan_triton(c, layer, ids_dev, table, cap, True, live).cpu()
+        fetched = plan_triton(c, layer, ids_dev, table, cap, True, live, None, ahead_counts).cpu()
         for k, v in zip(("hits", "misses", "fetched"), (h, m, f)):
             total[k] += v
         # the slots given ahead for this call may still be copied while it fills its own
@@ -133,7 +139,7 @@ def test_plan_kernel_posts_the_cpu_share():
     plain, sending = SlotCache(banks, 12, DEV), SlotCache(banks, 12, DEV)
     plain.warm(banks)
     sending.warm(banks)
-    table, cap = plain._limit_cap(FetchPolicy(0.5, 2, "test"))
+    table, cap, _ = plain._limit_cap(FetchPolicy(0.5, 2, "test"))
     off = layout(4, 2, E, 8)
     buf = torch.zeros(off["size"], dtype=torch.uint8, device=DEV)
     seq = torch.zeros(1, dtype=torch.int32, device=DEV)

@@ -133,10 +133,12 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, fresh_ptr, clock_
                  RB: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, HAS_LIVE: tl.constexpr,
                  SEND: tl.constexpr = False, H: tl.constexpr = 1, BLOCK: tl.constexpr = 512,
                  ASM: tl.constexpr = True, ROUNDS_IDS: tl.constexpr = 0,
-                 ROUNDS_X: tl.constexpr = 0):
+                 ROUNDS_X: tl.constexpr = 0, AHEAD_COUNTS: tl.constexpr = False):
     """SEND: also post the hand-off's job (`handoff.job_begin` / `job_post`, the args from
     x_ptr on) as soon as the fetches are chosen, before their victim slots: the CPU worker
-    starts one launch earlier than with a send kernel, and the victim scan after it."""
+    starts one launch earlier than with a send kernel, and the victim scan after it.
+    AHEAD_COUNTS: the hits on slots filled ahead count as fetches (`SlotCache.plan`): F =
+    min(table[misses + a], cap) - a for a such hits."""
     # the loads that do not depend on each other first
     clock = tl.load(clock_ptr) + 1
     lt = tl.arange(0, LT)
@@ -159,8 +161,13 @@ def _plan_kernel(ids_ptr, R, slot_of_ptr, owner_ptr, last_ptr, fresh_ptr, clock_
     n_hit = tl.sum(hit.to(tl.int32), axis=0)
     n_miss = tl.sum(miss.to(tl.int32), axis=0)
     tl.debug_barrier()
-    limit = tl.sum(tl.where(lt == tl.minimum(n_miss, LT - 1), limits, 0), axis=0).to(tl.int64)
-    limit = tl.maximum(tl.minimum(limit, cap), 0)
+    if AHEAD_COUNTS:
+        n_ahead = tl.sum(fr, axis=0)
+    else:
+        n_ahead = 0
+    at = tl.minimum(n_miss + n_ahead, LT - 1)
+    limit = tl.sum(tl.where(lt == at, limits, 0), axis=0).to(tl.int64)
+    limit = tl.maximum(tl.minimum(limit, cap) - n_ahead, 0)
     # the last_use of every slot, in registers when one chunk holds them (no reloads below)
     lu1, s1, free = _free_slots(last_ptr, clock, limit, S, SB)
     f = tl.minimum(tl.minimum(n_miss.to(tl.int64), free.to(tl.int64)),
@@ -226,7 +233,8 @@ def scan_shape(S: int) -> tuple[int, int]:
 
 
 def plan_triton(cache, layer: int, ids: torch.Tensor, limits: torch.Tensor, cap: int,
-                count: bool, live: torch.Tensor | None = None, job=None) -> torch.Tensor:
+                count: bool, live: torch.Tensor | None = None, job=None,
+                ahead_counts: bool = False) -> torch.Tensor:
     """fetched int64 [2, n] for `SlotCache.plan` (see there); limits: int32 [LT] on the device,
     LT a power of two above MAX_ROUTES (policy.limit_table: F for each miss count), cap: the
     most to fetch. Route and fetch counts are compiled in as
@@ -235,7 +243,8 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, limits: torch.Tensor, cap:
     powers of two, 14 ms with the torch ops). live: an int32 [1] tensor (the hand-off's
     `live` word, its device copy on a GPU) holding the real tokens of the step; rows past it
     are ignored. job: the hand-off's job of this call (`handoff.job_args`), posted by the same
-    launch once the fetches are chosen."""
+    launch once the fetches are chosen. ahead_counts: hits on slots filled ahead count as
+    fetches (a FetchPolicy's limit, `SlotCache.plan`)."""
     E, S = cache.num_experts, cache.num_slots
     LT = limits.numel()
     if LT & (LT - 1) or LT <= MAX_ROUTES or limits.dtype != torch.int32:
@@ -260,7 +269,7 @@ def plan_triton(cache, layer: int, ids: torch.Tensor, limits: torch.Tensor, cap:
         RB=max(16, triton.next_power_of_2(R)), NB=max(16, triton.next_power_of_2(n)), SB=sb,
         HAS_LIVE=live is not None, SEND=job is not None, H=consts.get("H", 1),
         ROUNDS_IDS=consts.get("ROUNDS_IDS", 0), ROUNDS_X=consts.get("ROUNDS_X", 0),
-        BLOCK=JOB_BLOCK, ASM=asm(), num_warps=warps)
+        BLOCK=JOB_BLOCK, ASM=asm(), AHEAD_COUNTS=ahead_counts, num_warps=warps)
     return out
 
 
