@@ -5,7 +5,8 @@ waits for the next job):
 
 - fetching ahead (--moe-fetch-ahead N, offload / hybrid, off by default): up to N of the next
   layer's predicted misses get slots now and are copied in during the gap, so that its call
-  finds them as hits and has fewer misses to split. Where a call hands work to the CPU, the
+  finds them as hits and has fewer misses to split (hybrid counts those hits as fetches made
+  early: `SlotCache.plan`). Where a call hands work to the CPU, the
   hand-off's worker copies them once it has answered the call's job, with the copy engine
   (moe/handoff.py: copies ahead) in a CUDA graph's steps; else (eager steps on a GPU, or
   FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on a stream of its own, which takes SMs from
