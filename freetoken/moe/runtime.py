@@ -180,7 +180,9 @@ class MoERuntime:
         if not any(p is not None for p in self.cache.ahead.predictors[1:]):
             return "fetch ahead off (no layer's router predicts from the layer before)"
         return (f"fetch ahead: up to {n} of the next layer's predicted misses per layer call"
-                + ("" if given is not None else " (the default)"))
+                + ("" if given is not None else " (the default)")
+                + ("; its hits on them count as fetches of the split"
+                   if self.backend == "hybrid" else ""))
 
     def _report(self, total: int, sizing: str, device: torch.device) -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)  # KiB -> GiB

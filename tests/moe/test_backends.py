@@ -424,6 +424,7 @@ def test_engine_counters_and_decode_log(caplog):
     # the fetch-ahead ran, and the lines say so where an interval had some
     assert c["ahead"] > 0 and any("fetched ahead" in line for line in lines), (c, lines)
     assert "fetch ahead: up to 1 of the next layer's predicted misses" in caplog.text
+    assert "its hits on them count as fetches of the split" in caplog.text  # hybrid's rule
 
 
 class _LateOnce:
