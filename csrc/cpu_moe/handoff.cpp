@@ -256,6 +256,7 @@ void HandoffWorker::serve_ahead() {
     if (err.empty()) ahead_stats_[1].fetch_add(1, std::memory_order_relaxed);
   }
   ahead_stats_[0].fetch_add(1, std::memory_order_relaxed);
+  if (err.empty()) served_layer_ = layer, served_n_ = n;  // for the warming after the job
   if (!err.empty()) fail(err);
   if (gpu) {
     const uint64_t done = reinterpret_cast<uint64_t>(buf_ + lay_.ahead_done);
@@ -267,8 +268,10 @@ void HandoffWorker::serve_ahead() {
   store_release(buf_ + lay_.ahead_done, a);
 }
 
-void HandoffWorker::set_prefetch(bool on, const std::vector<int32_t>& fetch_table) {
+void HandoffWorker::set_prefetch(bool on, const std::vector<int32_t>& fetch_table,
+                                 bool ahead_counts) {
   fetch_table_ = fetch_table;
+  ahead_counts_ = ahead_counts;
   warmed_layer_ = -1;
   prefetch_.store(on);
 }
@@ -287,9 +290,12 @@ void HandoffWorker::warm_next(uint32_t n) {
   const int64_t misses = std::max<int32_t>(0, h[2]);  // predicted; the first hint_max listed
   const int64_t count = std::min<int64_t>(misses, lay_.hint_max);
   if (layer < 0 || static_cast<size_t>(layer) >= layers_.size() || !layers_[layer].set) return;
+  // the layer's slots filled ahead (the list served after this job) are hits that the plan
+  // counts as fetches: the device fetches F(misses + a) - a of the misses left
+  const int64_t a = ahead_counts_ && served_layer_ == layer ? served_n_ : 0;
   int64_t skip = 0;
   if (!fetch_table_.empty())
-    skip = fetch_table_[std::min<int64_t>(misses, fetch_table_.size() - 1)];
+    skip = fetch_table_[std::min<int64_t>(misses + a, fetch_table_.size() - 1)] - a;
   skip = std::max<int64_t>(0, std::min(skip, count));
   // a copy: the producer may write the next hint while this one is warmed
   warmed_ids_.assign(h + 4 + skip, h + 4 + count);

@@ -35,8 +35,10 @@
 // in as the device (no entry points), memcpy and then ahead_done = a (release).
 //
 // Warming (set_prefetch): after answering job n, if the hint's tag is n, the worker drops the
-// hint's first F experts (F = the fetch table at its `misses`: those the device will fetch)
-// and has the executor's threads read their shares of the rest into their caches
+// hint's first F experts (F = the fetch table at its `misses`: those the device will fetch;
+// where hits on slots filled ahead count as fetches (set_prefetch's ahead_counts: hybrid's
+// split) and the worker served that layer's ahead list of a experts after job n, F(misses +
+// a) - a, as the slot plan takes it) and has the executor's threads read their shares of the rest into their caches
 // (Executor::warm) until job n + 1 is posted: between two jobs the CPU otherwise waits for the
 // device's layer (attention and the router), tens of microseconds in which DRAM is idle.
 #pragma once
@@ -75,7 +77,8 @@ class HandoffWorker {
   int64_t jobs() const { return jobs_.load(std::memory_order_relaxed); }
   // Warming on or off; fetch_table[M]: how many of M missing experts the device fetches
   // (the policy's table, capped; empty: none). Call it while no job runs.
-  void set_prefetch(bool on, const std::vector<int32_t>& fetch_table);
+  // ahead_counts: the plan counts hits on slots filled ahead against its fetches (warming)
+  void set_prefetch(bool on, const std::vector<int32_t>& fetch_table, bool ahead_counts);
   // Since the worker started: {hints (jobs after which it warmed), experts warmed fully,
   // warmed experts the next job of that layer computed, CPU experts of those next jobs}.
   std::vector<int64_t> prefetch_stats() const;
@@ -135,6 +138,8 @@ class HandoffWorker {
   std::vector<int32_t> warmed_ids_;  // the experts of layer warmed_layer_ warmed fully
   std::vector<uint8_t> seen_;        // [E] scratch of count_warmed
   int64_t warmed_layer_ = -1;
+  bool ahead_counts_ = false;
+  int64_t served_layer_ = -1, served_n_ = 0;  // the last ahead list served (every call posts one)
   std::atomic<int64_t> stats_[4] = {};
   std::vector<int64_t> trace_;  // kTraceFields per job, reserved when tracing starts
   int64_t t_fwd0_ = 0, t_fwd1_ = 0, routes_ = 0;  // the current job's, for the trace

@@ -113,7 +113,9 @@ class ExpertCache:
             self._handoff = Handoff(self.executor, self._exec_banks, self.top_k, self.device,
                                     PREFILL_TOKENS)
             if self.ahead.prefetch and not self.fetch_all:
-                self._handoff.set_prefetch(True, _fetch_table(self.fetch_limit, HINT_ROUTES))
+                # hits on slots filled ahead count as fetches under a policy (SlotCache.plan)
+                self._handoff.set_prefetch(True, _fetch_table(self.fetch_limit, HINT_ROUTES),
+                                           not isinstance(self.fetch_limit, int))
             if self.ahead.n and env.moe_ahead_worker():
                 why = self._start_copies(self._handoff)
                 if why is not None:

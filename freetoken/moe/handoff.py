@@ -24,7 +24,9 @@ host's memory is idle. So while job n runs, the producer also posts a hint (`hin
 next MoE layer's router applied to this layer's input x (the residual stream changes little
 from one layer to the next, so it mostly picks the experts the next layer will), less the
 experts that layer holds in slots, in the slot plan's fetch order. After answering job n the
-worker drops the ones the device will fetch (the fetch table at their count) and has the
+worker drops the ones the device will fetch (the fetch table at their count; under hybrid's
+split, where the worker copied a experts of that layer ahead, F(count + a) - a: the plan
+counts hits on them as fetches; after a fill kernel's copies it does not know a) and has the
 executor's threads read their shares of the rest into their caches until job n + 1 arrives
 (Executor::warm). Results do not change (a warmed row is the same bytes); `prefetch_stats`
 says how often the guess was right.
@@ -140,10 +142,14 @@ class Handoff:
         """Stop the worker (before the buffer it polls is freed)."""
         self._worker = None
 
-    def set_prefetch(self, on: bool, fetch_table: list[int] | None = None) -> None:
+    def set_prefetch(self, on: bool, fetch_table: list[int] | None = None,
+                     ahead_counts: bool = False) -> None:
         """Warming on or off (module doc); fetch_table[M]: how many of M missing experts the
-        device fetches (the policy's table, capped; None: none). Between steps only."""
-        self._worker.set_prefetch(bool(on), [int(f) for f in (fetch_table or [])])
+        device fetches (the policy's table, capped; None: none); ahead_counts: the plan counts
+        hits on slots filled ahead as fetches (hybrid's split: the worker then skips F(M + a)
+        - a, a the experts of the layer's ahead list it copied). Between steps only."""
+        self._worker.set_prefetch(bool(on), [int(f) for f in (fetch_table or [])],
+                                  bool(ahead_counts))
 
     def prefetch_stats(self) -> dict[str, int]:
         """Since the buffer was made: `hints` (jobs after which the worker warmed experts),

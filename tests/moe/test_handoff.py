@@ -370,6 +370,35 @@ def test_warming_reads_the_hinted_cpu_experts_and_changes_no_result(banks):
     ho.close()
 
 
+@pytest.mark.parametrize("ahead_counts", [True, False])
+def test_warming_skips_fetches_as_the_plan_counts_slots_filled_ahead(banks, ahead_counts):
+    """With the worker's copies ahead under hybrid's split (ahead_counts), a hint's layer whose
+    ahead list of a experts the worker copied after the job: the device fetches F(misses +
+    a) - a of the hint's misses (SlotCache.plan), so the worker skips that many and warms the
+    rest; without ahead_counts (offload, int limits), F(misses)."""
+    import numpy as np
+
+    ho, got, _, _ = _copying(banks, "cpu")
+    # F(3) = 1, F(5) = 4: with 2 ahead the device fetches 4 - 2 = 2 of the 3 misses left
+    ho.set_prefetch(True, [0, 1, 1, 1, 2, 4, 4, 4, 4], ahead_counts)
+    x, ids, w, emap = _inputs(13, 2)
+    ho.set_live(2)
+    words = ho.buf.numpy().view(np.int32)
+    h = ho.off["hint"] // 4
+    words[h:h + 7] = [1, 1, 3, 0, 5, 2, 6]  # job 1's hint: layer 1, misses 5, 2, 6
+    ahead = got.plan_ahead(1, torch.tensor([[0, 3, 4]]), 2)  # slots for 2 of layer 1's experts
+    assert int((ahead[0] >= 0).sum()) == 2
+    ho.post_ahead(1, ahead)  # posted while job 1 runs: copied after its answer
+    ho.send(0, x, ids, w, emap, "silu")  # job 1
+    _close(ho.receive(torch.zeros(2, H)), _expected(banks[0], x, ids, w, emap, 2))
+    ho.wait_ahead(1)
+    _wait_for(lambda: ho.prefetch_stats()["hints"] == 1)
+    assert ho.ahead_stats()["copied"] == 2
+    # 6 warmed after skipping 5 and 2; 2 and 6 after skipping 5
+    assert ho.prefetch_stats()["warmed"] == (1 if ahead_counts else 2)
+    ho.close()
+
+
 @pytest.mark.parametrize("T,live,E_", [(1, 1, 8), (5, 3, 40), (8, 8, 128)])
 def test_hint_kernel_writes_the_plans_fetch_order(T, live, E_):
     """kernels/triton/handoff.post_hint (CUDA, else Triton's interpreter) against hint_order:
