@@ -34,7 +34,8 @@ _HELP = {
     "to the CPU; -1: as the ft bench bw profile's q* says)",
     "moe_fetch_ahead": "offload / hybrid: per layer call, up to N of the next MoE layer's "
     "predicted misses (its router on this layer's input) are copied into slots while the "
-    "device runs the layers in between, when the copy engine is idle (0: off, the default)",
+    "device runs the layers in between, when the copy engine is idle (0: off; default: 1 with "
+    "hybrid, 0 with offload)",
     "decode_log_interval": "a decode log line (tokens/s, expert hit rate, fetches, CPU "
     "experts) every N decode steps; 0: none",
     "moe_cpu_threads": "CPU MoE executor threads (default: physical cores minus one)",

@@ -3,12 +3,12 @@ input), for two uses that fill the gap between two layer calls (tens of microsec
 decode, when the device runs attention and the router, the copy engine is idle and the CPU
 waits for the next job):
 
-- fetching ahead (--moe-fetch-ahead N, offload / hybrid, off by default): up to N of the next
-  layer's predicted misses get slots now and are copied in during the gap, so that its call
-  finds them as hits and has fewer misses to split (hybrid counts those hits as fetches made
-  early: `SlotCache.plan`). Where a call hands work to the CPU, the
-  hand-off's worker copies them once it has answered the call's job, with the copy engine
-  (moe/handoff.py: copies ahead) in a CUDA graph's steps; else (eager steps on a GPU, or
+- fetching ahead (--moe-fetch-ahead N, offload / hybrid; default 1 with hybrid, 0 with
+  offload: FETCH_AHEAD): up to N of the next layer's predicted misses get slots now and are
+  copied in during the gap, so that its call finds them as hits and has fewer misses to split
+  (hybrid counts those hits as fetches made early: `SlotCache.plan`). Where a call hands work
+  to the CPU, the hand-off's worker copies them once it has answered the call's job, with the
+  copy engine (moe/handoff.py: copies ahead) in a CUDA graph's steps; else (eager steps on a GPU, or
   FREETOKEN_MOE_AHEAD_WORKER=0) a fill kernel on a stream of its own, which takes SMs from
   the kernels beside it. The next call fills its own fetches beside those copies (its plan
   does not evict slots given ahead for it: they carry its clock) and waits for them only
@@ -35,21 +35,23 @@ from freetoken.moe.handoff import HINT_ROUTES, Handoff
 if TYPE_CHECKING:
     from freetoken.moe.expert_cache import ExpertCache
 
-# --moe-fetch-ahead's default (offload, hybrid): the next layer's predicted misses fetched per
-# layer call while the device runs the layers in between (`Ahead.plan`). Off: on the H200
-# (35B / 30B NVFP4 hybrid, rate 0.1, batch 1) it took 15% of the CPU's experts and the step
-# still ran 11% slower with the copies queued behind the call's own fill; queued after the
-# receive, on 8 programs a part, 6% (135.6 -> 128.1 tok/s, 2026-12-03). Copied by the
-# hand-off worker with the copy engine (30B Q4_K hybrid, H100 host, 2026-12-05): 99-100% hits,
-# 14% fewer CPU experts, no faster step (the next call's fill then waited behind the ahead
-# copy); with the fill beside it, on the H200 (2026-12-06), 16% fewer CPU experts, 100% hits,
-# 97.1 tok/s against 97.3 (ab_env.py). Later the same day the 30B Q4_K hybrid (rate 0.1, batch
-# 1) ran faster with 1 everywhere else: H200, separate runs, 96.0 -> 105.0 tok/s; H100 hosts
-# 81.4 -> 87.8 and, alternated, 98.9 -> 108.5 (2 ahead: 104.1). A 30B NVFP4 engine with 1
-# stalled at start-up (a kernel module loaded while the device waited for the worker's
-# copies: README); with that fixed, alternated on H100 hosts it lost (2026-12-06: Q4_K 111.3
-# -> 102.8 tok/s without a bw profile, 115.4 -> 112.5 with one; NVFP4 111.8 -> 102.1): off
-FETCH_AHEAD = 0
+# --moe-fetch-ahead's default by backend: the next layer's predicted misses fetched per layer
+# call while the device runs the layers in between (`Ahead.plan`). Before hybrid counted the
+# hits on them as fetches of its split (SlotCache.plan), they were copies on top of its own
+# fetches and measured both ways: on the H200 (35B / 30B NVFP4 hybrid, rate 0.1, batch 1) they
+# took 15% of the CPU's experts and the step still ran 11% slower queued behind the call's own
+# fill, 6% slower queued after the receive (135.6 -> 128.1 tok/s, 2026-12-03); copied by the
+# hand-off worker with the copy engine, 97.3 -> 97.1 (H200), and alternated on H100 hosts
+# 98.9 -> 108.5 once, 111.3 -> 102.8 and 115.4 -> 112.5 (30B Q4_K), 111.8 -> 102.1 (NVFP4)
+# later (2026-12-06). Counted as fetches (2026-12-07, H100 host, after `ft bench bw`,
+# `benchmarks/ab_env.py ... --moe-backend hybrid --moe-cache-rate 0.1 --batch 1 --set
+# moe_fetch_ahead=0 --set moe_fetch_ahead=1`, median of 3-4 alternated rounds, every round of
+# 1 above every round of 0 but one): 30B Q4_K 85.3 -> 96.5 and 86.6 -> 96.1 (2 ahead: 93.3),
+# 30B NVFP4 95.6 -> 104.6, 35B NVFP4 150.7 -> 152.3; at batch 4 30B Q4_K 119.4 -> 116.3 and
+# 35B NVFP4 205.6 -> 204.0, inside the rounds' spread. The CPU computes as many experts (213 a
+# step); the link carries 47 of the 137 fetches a step in the gap instead of beside the CPU.
+# Offload (every miss fetched, nothing counted) is not measured so: off.
+FETCH_AHEAD = {"hybrid": 1}
 # Programs of an ahead fill per fetched part: its copies run beside the device's critical path
 # (attention, router), whose kernels a fill of one program per 16 KiB chunk slowed: on the
 # H200 (35B NVFP4 hybrid, batch 1) their GEMVs took 1.63 ms a step instead of 0.93
@@ -134,10 +136,15 @@ class Ahead:
                 fetched = c.plan_ahead(nxt, ids, self.n, live)
                 if worker:
                     ho.post_ahead(nxt, fetched)
-                planned = torch.cuda.Event()
-                planned.record(s)
                 if warm:
                     ho.hint(nxt, ids, self.ec.slot_map(nxt))
+                # after the hint too: the next call's plan, which waits for this event,
+                # rewrites the map the hint reads, and a graph's capture must join all of
+                # the stream's work (recorded before the hint, the capture failed with
+                # "unjoined work" and the engine decoded eagerly: 7.9 tok/s against 98.4,
+                # 30B Q4_K hybrid with warming, H100, 2026-12-07)
+                planned = torch.cuda.Event()
+                planned.record(s)
         return fetched, planned, worker
 
     def fill(self, nxt: int, ahead) -> None:

@@ -152,7 +152,7 @@ class MoERuntime:
                                    self.expert_bytes)
         ahead = config.moe_fetch_ahead
         if ahead is None:  # the default, where the backend fetches at all
-            ahead = 0 if self.policy.cap == 0 else FETCH_AHEAD
+            ahead = 0 if self.policy.cap == 0 else FETCH_AHEAD.get(backend, 0)
         self.cache = ExpertCache(hosts, self.num_slots, device, self.policy,
                                  config.moe_cpu_threads, spec.top_k, ahead)
         self.prefill.attach(self.cache.cache)

@@ -210,9 +210,10 @@ def test_shared_expert_folds_give_the_unfolded_tokens(backend, dtype, monkeypatc
 
 
 @needs_cuda
-@pytest.mark.parametrize("side_stream,receive_shared,split",
-                         [("1", "1", False), ("0", "1", True), ("1", "0", False)])
-def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, split,
+@pytest.mark.parametrize("side_stream,receive_shared,split,warm",
+                         [("1", "1", False, "0"), ("0", "1", True, "0"), ("1", "0", False, "0"),
+                          ("1", "1", False, "1")])
+def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared, split, warm,
                                                    monkeypatch):
     """The hybrid backend on a model with a shared expert (the 35B shape, 4 layers, float32):
     graphed decode steps (the CPU hand-off, slot fills and, by default, the shared expert on a
@@ -222,9 +223,12 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
     expert's stream changes no token (the same kernels on the same inputs). split: with a bw
     profile of both job sizes (policy.SplitModel's fetch tables) and graphs up to 16 rows,
     whose 128 routes take the torch plan inside the capture. Both engines fetch ahead
-    (--moe-fetch-ahead 1), in the graphs on a stream of their own."""
+    (--moe-fetch-ahead 1), in the graphs on a stream of their own. warm: with warming
+    (FREETOKEN_MOE_PREFETCH=1), whose hint kernel runs on that stream after the ahead plan
+    (the capture once failed on it as unjoined work, and the engine decoded eagerly)."""
     from freetoken.moe import runtime
 
+    monkeypatch.setenv("FREETOKEN_MOE_PREFETCH", warm)
     monkeypatch.setenv("FREETOKEN_GPU_SIDE_STREAM", side_stream)
     monkeypatch.setenv("FREETOKEN_GPU_RECEIVE_SHARED", receive_shared)
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for _ in range(3)]
@@ -249,6 +253,8 @@ def test_cache_backend_graphs_give_the_eager_tokens(side_stream, receive_shared,
     c = graphed.moe.cache.counters()
     assert c["cpu"] > 0  # the CPU's share was in the steps
     assert c["ahead"] > 0  # and the fetch-ahead (its own stream, joined a layer on)
+    if warm == "1":  # and the hints, warmed after their jobs
+        assert graphed.moe.cache.handoff.prefetch_stats()["hints"] > 0
     graphed.moe.close()
 
 
