@@ -256,8 +256,10 @@ void HandoffWorker::serve_ahead() {
     if (err.empty()) ahead_stats_[1].fetch_add(1, std::memory_order_relaxed);
   }
   ahead_stats_[0].fetch_add(1, std::memory_order_relaxed);
-  if (err.empty()) served_layer_ = layer, served_n_ = n;  // for the warming after the job
-  if (!err.empty()) fail(err);
+  if (err.empty())
+    served_layer_ = layer, served_n_ = n;  // for the warming after the job
+  else
+    fail(err);
   if (gpu) {
     const uint64_t done = reinterpret_cast<uint64_t>(buf_ + lay_.ahead_done);
     const int rc = reinterpret_cast<WriteValue>(c.write_value)(reinterpret_cast<void*>(c.stream),

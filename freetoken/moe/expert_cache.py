@@ -38,7 +38,7 @@ from freetoken.moe.ahead import Ahead
 from freetoken.moe.banks import ExpertBank
 from freetoken.moe.handoff import HINT_ROUTES, WAIT_TIMEOUT_S, Handoff
 from freetoken.moe.host_banks import executor_bank
-from freetoken.moe.policy import FetchPolicy, prepare_limit_tables
+from freetoken.moe.policy import FetchPolicy, ahead_counts, prepare_limit_tables
 from freetoken.moe.slot_cache import SlotCache
 
 logger = logging.getLogger(__name__)
@@ -113,9 +113,8 @@ class ExpertCache:
             self._handoff = Handoff(self.executor, self._exec_banks, self.top_k, self.device,
                                     PREFILL_TOKENS)
             if self.ahead.prefetch and not self.fetch_all:
-                # hits on slots filled ahead count as fetches under a policy (SlotCache.plan)
                 self._handoff.set_prefetch(True, _fetch_table(self.fetch_limit, HINT_ROUTES),
-                                           not isinstance(self.fetch_limit, int))
+                                           ahead_counts(self.fetch_limit))
             if self.ahead.n and env.moe_ahead_worker():
                 why = self._start_copies(self._handoff)
                 if why is not None:

@@ -208,6 +208,14 @@ class FetchPolicy:
         return f if self.cap is None else f.clamp(max=self.cap)
 
 
+def ahead_counts(fetch_limit) -> bool:
+    """Whether a plan under `fetch_limit` counts a call's hits on slots filled ahead as its
+    fetches, F = min(F(misses + a), cap) - a (`SlotCache.plan`, the plan kernel, the
+    worker's warming): a FetchPolicy's split does; an int limit (every miss, capped) does
+    not."""
+    return isinstance(fetch_limit, FetchPolicy)
+
+
 # The plan kernel's table: F for up to this many - 1 misses (a call it plans has at most
 # slot_plan.MAX_ROUTES routes); the torch plan's covers any expert count of a layer.
 LIMIT_TABLE = 128

@@ -31,7 +31,7 @@ import torch
 
 from freetoken.formats.qweight import QuantWeight
 from freetoken.moe.banks import ExpertBank
-from freetoken.moe.policy import LIMIT_TABLE, FetchPolicy, limit_table
+from freetoken.moe.policy import LIMIT_TABLE, ahead_counts, limit_table
 
 ALIGN = 256  # bytes: every part of a slot starts on a 256-byte boundary (GPU loads, dtype views)
 COUNTERS = ("hits", "misses", "fetched", "cpu", "ahead", "ahead_hits")
@@ -170,8 +170,8 @@ class SlotCache:
         if self.plans_in_one_launch(ids):
             from freetoken.kernels.triton.slot_plan import plan_triton
 
-            table, cap, ahead_counts = self._limit_cap(fetch_limit)
-            return plan_triton(self, layer, ids, table, cap, count, live, job, ahead_counts)
+            table, cap, counts = self._limit_cap(fetch_limit)
+            return plan_triton(self, layer, ids, table, cap, count, live, job, counts)
         if job is not None:
             raise ValueError("SlotCache.plan: a job is posted by the one-launch plan only")
         base = layer * E
@@ -197,7 +197,7 @@ class SlotCache:
         n_miss = (cand_score >= 0).sum()
         # victims: the oldest slots this call does not use (hits were just stamped)
         vict, free, nv = self._victims(n)
-        if isinstance(fetch_limit, FetchPolicy):  # the slots filled ahead count as fetches
+        if ahead_counts(fetch_limit):  # the slots filled ahead count as fetches
             limit = (fetch_limit(n_miss + ahead_hits) - ahead_hits).clamp(min=0)
         else:
             limit = fetch_limit(n_miss) if callable(fetch_limit) else fetch_limit
@@ -273,7 +273,7 @@ class SlotCache:
         else:
             policy, cap = fetch_limit, fetch_limit.cap
         table = limit_table(policy, LIMIT_TABLE, self.device)
-        return table, self.num_experts if cap is None else cap, policy is not None
+        return table, self.num_experts if cap is None else cap, ahead_counts(fetch_limit)
 
     def _assign(self, keys: torch.Tensor, slots: torch.Tensor, fetch: torch.Tensor,
                 stamp: torch.Tensor | None = None) -> None:
