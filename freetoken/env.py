@@ -211,6 +211,26 @@ def gpu_pdl() -> int:
     return 1 if v in ("1", "true", "yes", "on") else 0
 
 
+_L2_AHEAD = ("o", "qkv", "down")
+
+
+def gpu_l2_ahead() -> frozenset[str]:
+    """FREETOKEN_GPU_L2_AHEAD=o,qkv,down (any of them; `all`; 0 or unset: none): the decode
+    weights a side stream asks L2 for while the kernel before their reader runs
+    (`kernels/triton/l2.py`): o_proj's during attention, the next layer's qkv during the
+    norm + router, the routed experts' down rows during gate/up. Off until measured faster."""
+    v = os.environ.get("FREETOKEN_GPU_L2_AHEAD", "").strip().lower()
+    if v in ("", "0", "off", "none"):
+        return frozenset()
+    if v == "all":
+        return frozenset(_L2_AHEAD)
+    names = frozenset(n.strip() for n in v.split(","))
+    if not names <= frozenset(_L2_AHEAD):
+        raise ValueError(f"FREETOKEN_GPU_L2_AHEAD={v!r}: expected a comma-separated list of "
+                         f"{', '.join(_L2_AHEAD)}, or all, or 0")
+    return names
+
+
 def gpu_moe_route_tiles() -> tuple[int, int, int] | None:
     """FREETOKEN_GPU_MOE_ROUTE_TILES=BNxBKxWARPS (32x1024x8, say): the tiles of the fused
     MoE's per-route int8 GEMVs at decode steps of 2 to 16 tokens (`kernels/triton/moe.py:

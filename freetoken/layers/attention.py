@@ -63,9 +63,13 @@ class Attention(nn.Module):
         v = v.reshape(-1, s.num_kv_heads, s.head_dim)
         # q/k norm, rotary, the KV cache write and attention: at decode on the GPU one launch
         # (kernels/triton/attention.py), else qk-rope's launch, then attention
+        # o_proj's rows asked of L2 while attention runs (FREETOKEN_GPU_L2_AHEAD: o)
+        ahead = kernels.l2_ahead("o", qkv, self.o_proj.weights)
         o = kernels.qk_rope_attention(
             q, k, v, rope, *norms, s.norm_eps, ctx.kv_caches[self.layer_id], ctx,
             scale=s.scale, window=s.window, softcap=s.softcap,
             quantize=True,  # for o_proj's int8 GEMV, where it runs one
         )
-        return self.o_proj(kernels.xq.view(o.contiguous(), -1, s.num_heads * s.head_dim))
+        y = self.o_proj(kernels.xq.view(o.contiguous(), -1, s.num_heads * s.head_dim))
+        kernels.l2_join(ahead)
+        return y

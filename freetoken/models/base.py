@@ -82,6 +82,10 @@ class CausalLM(nn.Module):
         for layer, nxt in zip(layers, after):
             if hasattr(layer, "set_next_norm"):
                 layer.set_next_norm(nxt)
+        qkvs = [getattr(getattr(n, "self_attn", None), "qkv_proj", None) for n in layers[1:]]
+        for layer, nxt in zip(layers, qkvs + [None]):
+            if hasattr(layer, "set_next_qkv"):
+                layer.set_next_qkv(nxt)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         # None until loaded: tied models read the embedding table instead.
         self.lm_head = None if config.tie_word_embeddings else Linear(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from freetoken import kernels
 from freetoken.engine.context import ForwardContext
 from freetoken.layers.attention import Attention
 from freetoken.layers.mlp import HF_ACT, GatedMLP
@@ -38,9 +39,21 @@ class LlamaDecoderLayer(FoldsNextNorm, nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
+        a = self.self_attn(h, ctx, rope)
+        # the next layer's qkv rows asked of L2 while the norm + router runs
+        # (FREETOKEN_GPU_L2_AHEAD: qkv)
+        nxt = self.__dict__.get("_next_qkv")
+        ahead = kernels.l2_ahead("qkv", a, None if nxt is None else nxt.weights)
         h, residual = self.post_attention_layernorm.forward_add(
-            self.self_attn(h, ctx, rope), residual, getattr(self.mlp, "router", None))
-        return self.mlp_folding(h, residual), residual
+            a, residual, getattr(self.mlp, "router", None))
+        out = self.mlp_folding(h, residual)
+        kernels.l2_join(ahead)
+        return out, residual
+
+    def set_next_qkv(self, qkv) -> None:
+        """The next layer's fused qkv Linear (None after the last): its rows are read next.
+        Kept out of the module tree, as `set_next_norm`'s norm."""
+        self.__dict__["_next_qkv"] = qkv
 
 
 class LlamaForCausalLM(CausalLM):

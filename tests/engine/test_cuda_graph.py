@@ -209,6 +209,54 @@ def test_shared_expert_folds_give_the_unfolded_tokens(backend, dtype, monkeypatc
     assert launches["0"] - launches["1"] == 2 * 4, launches
 
 
+def test_l2_ahead_switch(monkeypatch):
+    """FREETOKEN_GPU_L2_AHEAD: a list of what is read ahead, `all`, or off; a misspelt name is
+    an error naming the switch; on CPU tensors nothing is launched (no token to join)."""
+    from freetoken import env
+    from freetoken.kernels import l2_ahead, l2_join
+
+    for v, want in (("", set()), ("0", set()), ("all", {"o", "qkv", "down"}),
+                    ("o, down", {"o", "down"})):
+        monkeypatch.setenv("FREETOKEN_GPU_L2_AHEAD", v)
+        assert env.gpu_l2_ahead() == want
+    monkeypatch.setenv("FREETOKEN_GPU_L2_AHEAD", "o,ffn")
+    with pytest.raises(ValueError, match="FREETOKEN_GPU_L2_AHEAD"):
+        env.gpu_l2_ahead()
+    monkeypatch.setenv("FREETOKEN_GPU_L2_AHEAD", "all")
+    assert l2_ahead("o", torch.zeros(1, 4), []) is None
+    l2_join(None)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["fused", "hybrid"])
+def test_l2_ahead_gives_the_same_tokens(backend, monkeypatch):
+    """Reading the next kernels' weights into L2 on a side stream (kernels/triton/l2.py)
+    writes nothing: graphed and overlapped, tiny-qwen3-moe's greedy tokens are those without
+    it, and every layer of a decode step did ask L2 for o_proj's, the next qkv's and the
+    experts' down rows (fused; hybrid's device kernel takes the hits through the map)."""
+    from freetoken.kernels.triton import l2
+
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True) for _ in range(3)]
+    kw = dict(model="tiny-qwen3-moe", moe_backend=backend)
+    if backend == "hybrid":
+        kw.update(moe_cache_rate=0.25)
+    runs, calls = {}, []
+    for v in ("0", "all"):
+        monkeypatch.setenv("FREETOKEN_GPU_L2_AHEAD", v)
+        for name in ("ahead", "ahead_experts"):
+            real = getattr(l2, name)
+            monkeypatch.setattr(l2, name, lambda *a, real=real, name=name, **k:
+                                calls.append(name) or real(*a, **k))
+        eng = dummy_engine(**kw)
+        runs[v] = generate(eng, params)
+        if eng.moe is not None:
+            eng.moe.close()
+        monkeypatch.undo()
+    assert runs["all"] == runs["0"]
+    layers = 2  # at least two layers' worth: o_proj, qkv and down each asked for
+    assert calls.count("ahead") >= 2 * layers and calls.count("ahead_experts") >= layers, calls
+
+
 @needs_cuda
 @pytest.mark.parametrize("side_stream,receive_shared,split,warm",
                          [("1", "1", False, "0"), ("0", "1", True, "0"), ("1", "0", False, "0"),

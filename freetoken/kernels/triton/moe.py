@@ -43,8 +43,9 @@ import triton
 import triton.language as tl
 
 from freetoken import env
+from freetoken.kernels.l2 import l2_join
 from freetoken.kernels.norm import FOLD_ROWS, fold_buffers, fold_done
-from freetoken.kernels.triton import interpreting, pdl
+from freetoken.kernels.triton import interpreting, l2, pdl
 from freetoken.kernels.triton.arrive import counters, last_to_arrive, sum_when_last
 from freetoken.kernels.triton.gemv import gemv_bk, gemv_block, gemv_chunk_error
 from freetoken.kernels.triton.gemv_i8 import (
@@ -742,6 +743,10 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         a = torch.empty(r, xq_len(inter), dtype=torch.int32, device=x.device)
     else:
         a = torch.empty(r, inter, dtype=torch.float32, device=x.device)
+    # the routed experts' down rows asked of L2 while gate/up runs (FREETOKEN_GPU_L2_AHEAD:
+    # down; kernels/triton/l2.py), joined once down has read them
+    ahead = (l2.ahead_experts(w2, topk_ids, expert_map if mapped else None)
+             if bm == 1 and l2.wants("down", x) else None)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         xs, w13, s13, scales, route_ids, block_slot, emap, a, r, xs.stride(0), w13.stride(0),
         w13.stride(1), s13.stride(0), s13.stride(-2), a.stride(0), K=h, INTER=inter, TOPK=topk,
@@ -759,6 +764,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
             w2.stride(1), s2.stride(0), s2.stride(-2), out.stride(0), K=inter, HIDDEN=h,
             TOPK=topk, FMT=f2, BN=bn, BK=bk, MAP=mapped, ASM=asm(), XQ=qa, stride_bs=sb,
             num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **regs)
+        l2_join(ahead)
         return out
     y = (torch.empty if expert_map is None or mapped else torch.zeros)(
         r, h, dtype=torch.float32, device=x.device)
@@ -775,6 +781,7 @@ def fused_moe_triton(x: torch.Tensor, bank: ExpertBank, topk_ids: torch.Tensor,
         SUM=sums, count_ptr=counters("down_sum", SUM_COUNTERS, x.device) if sums else None,
         out_ptr=out if sums else None, stride_om=out.stride(0), TOPK=topk,
         stride_bs=sb, num_warps=warps, enable_fp_fusion=False, **pdl.opts(), **norm, **regs)
+    l2_join(ahead)
     if not sums:
         _sum_routes_kernel[(t, triton.cdiv(h, 1024))](y, out, h, TOPK=topk, BLOCK=1024,
                                                        num_warps=4, **pdl.opts())
