@@ -11,7 +11,8 @@ from freetoken import env
 
 def l2_ahead(what: str, x: torch.Tensor, weights) -> object | None:
     """Ask L2 for the data and block scales of `weights` (QuantWeights, or None) beside the
-    next kernel on x; the token for `l2_join`, None where nothing was asked."""
+    next kernel on x (the next layer's qkv kept over the MoE's reads: evict_last); the token
+    for `l2_join`, None where nothing was asked."""
     if not x.is_cuda or weights is None or what not in env.gpu_l2_ahead():
         return None
     from freetoken.kernels.triton import l2  # lazy: needs triton
@@ -19,7 +20,7 @@ def l2_ahead(what: str, x: torch.Tensor, weights) -> object | None:
     if not l2.wants(what, x):
         return None
     ts = [t for qw in weights for t in (qw.data, qw.scales) if t is not None and t.is_cuda]
-    return l2.ahead(ts) if ts else None
+    return l2.ahead(ts, last=what == "qkv") if ts else None
 
 
 def l2_join(token: object | None) -> None:

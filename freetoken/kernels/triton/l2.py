@@ -37,19 +37,25 @@ _side: dict[int, torch.cuda.Stream] = {}
 
 
 @triton.jit
-def _prefetch_lines(p, nbytes, start, step, LINES: tl.constexpr):
+def _prefetch_lines(p, nbytes, start, step, LINES: tl.constexpr, LAST: tl.constexpr):
+    """Lines start, start + step, ... of [p, p + nbytes) into L2; LAST: marked evict_last
+    (bytes read after other kernels' reads have passed through L2), else evict_normal."""
     offs = tl.arange(0, LINES) * 128
     for i in tl.range(start, nbytes, step):
         o = tl.minimum(i + offs, nbytes - 1)  # past the end: the last line again
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
-                                  "=r,l", [p + o], dtype=tl.int32, is_pure=False, pack=1)
+        if LAST:
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                                      "=r,l", [p + o], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+                                      "=r,l", [p + o], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _range_kernel(base, nbytes, LINES: tl.constexpr):
+def _range_kernel(base, nbytes, LINES: tl.constexpr, LAST: tl.constexpr):
     p = base.to(tl.pointer_type(tl.int8))
     _prefetch_lines(p, nbytes, tl.program_id(0) * LINES * 128, tl.num_programs(0) * LINES * 128,
-                    LINES)
+                    LINES, LAST)
 
 
 @triton.jit
@@ -63,7 +69,7 @@ def _experts_kernel(base, ids_ptr, map_ptr, expert_bytes, stride_e, MAP: tl.cons
     if e >= 0:
         p = base.to(tl.pointer_type(tl.int8)) + e * stride_e
         _prefetch_lines(p, expert_bytes, tl.program_id(1) * LINES * 128,
-                        tl.num_programs(1) * LINES * 128, LINES)
+                        tl.num_programs(1) * LINES * 128, LINES, False)
 
 
 def wants(what: str, x: torch.Tensor) -> bool:
@@ -87,15 +93,16 @@ def _span(t: torch.Tensor) -> int:
     return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def ahead(tensors) -> torch.cuda.Stream:
+def ahead(tensors, last: bool = False) -> torch.cuda.Stream:
     """Ask L2 for the bytes of `tensors` (weights no kernel writes) on the side stream,
-    forked off the current one. Returns the token for `kernels/l2.py: l2_join`."""
+    forked off the current one; `last`: keep them over other reads (evict_last), for a reader
+    that comes after other kernels. Returns the token for `kernels/l2.py: l2_join`."""
     side = _fork()
     with torch.cuda.stream(side):
         for t in tensors:
             n = _span(t)
             grid = (max(1, min(PROGRAMS, triton.cdiv(n, LINES * 128))),)
-            _range_kernel[grid](t, n, LINES=LINES, num_warps=4)
+            _range_kernel[grid](t, n, LINES=LINES, LAST=last, num_warps=4)
     return side
 
 
