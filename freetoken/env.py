@@ -215,16 +215,17 @@ _L2_AHEAD = ("o", "qkv", "down")
 
 
 def gpu_l2_ahead() -> frozenset[str]:
-    """FREETOKEN_GPU_L2_AHEAD=o,qkv,down (any of them; `all`; 0 or unset: none): the decode
-    weights a side stream asks L2 for while the kernel before their reader runs
-    (`kernels/triton/l2.py`): o_proj's during attention, the next layer's qkv during the
-    norm + router, the routed experts' down rows during gate/up. Off until measured faster."""
+    """FREETOKEN_GPU_L2_AHEAD=o,qkv,down (any of them, `,` or `+` between; `all`; 0 or unset:
+    none): the decode weights a side stream asks L2 for while the kernel before their reader
+    runs (`kernels/triton/l2.py`): o_proj's during attention, the next layer's qkv during
+    the norm + router, the routed experts' down rows during gate/up. Off until measured
+    faster."""
     v = os.environ.get("FREETOKEN_GPU_L2_AHEAD", "").strip().lower()
     if v in ("", "0", "off", "none"):
         return frozenset()
     if v == "all":
         return frozenset(_L2_AHEAD)
-    names = frozenset(n.strip() for n in v.split(","))
+    names = frozenset(n.strip() for n in re.split(r"[,+]", v))  # `+`: for ab_env.py --set
     if not names <= frozenset(_L2_AHEAD):
         raise ValueError(f"FREETOKEN_GPU_L2_AHEAD={v!r}: expected a comma-separated list of "
                          f"{', '.join(_L2_AHEAD)}, or all, or 0")

@@ -216,7 +216,7 @@ def test_l2_ahead_switch(monkeypatch):
     from freetoken.kernels import l2_ahead, l2_join
 
     for v, want in (("", set()), ("0", set()), ("all", {"o", "qkv", "down"}),
-                    ("o, down", {"o", "down"})):
+                    ("o, down", {"o", "down"}), ("qkv+down", {"qkv", "down"})):
         monkeypatch.setenv("FREETOKEN_GPU_L2_AHEAD", v)
         assert env.gpu_l2_ahead() == want
     monkeypatch.setenv("FREETOKEN_GPU_L2_AHEAD", "o,ffn")
