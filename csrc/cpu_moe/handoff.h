@@ -39,8 +39,9 @@
 // where hits on slots filled ahead count as fetches (set_prefetch's ahead_counts: hybrid's
 // split) and the worker served that layer's ahead list of a experts after job n, F(misses +
 // a) - a, as the slot plan takes it) and has the executor's threads read their shares of the
-// rest into their caches (Executor::warm) until job n + 1 is posted: between two jobs the CPU otherwise waits for the
-// device's layer (attention and the router), tens of microseconds in which DRAM is idle.
+// rest into their caches (Executor::warm) until job n + 1 is posted: between two jobs the CPU
+// otherwise waits for the device's layer (attention and the router), tens of microseconds in
+// which DRAM is idle.
 #pragma once
 
 #include <atomic>
