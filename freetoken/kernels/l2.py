@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from freetoken import env
-
 
 def l2_ahead(what: str, x: torch.Tensor, weights) -> object | None:
     """Ask L2 for the data and block scales of `weights` (QuantWeights, or None) beside the
     next kernel on x (the next layer's qkv kept over the MoE's reads: evict_last); the token
     for `l2_join`, None where nothing was asked."""
-    if not x.is_cuda or weights is None or what not in env.gpu_l2_ahead():
+    if not x.is_cuda or weights is None:
         return None
     from freetoken.kernels.triton import l2  # lazy: needs triton
 
-    if not l2.wants(what, x):
+    if not l2.wants(what, x):  # the switch, the token count, the GPU
         return None
     ts = [t for qw in weights for t in (qw.data, qw.scales) if t is not None and t.is_cuda]
     return l2.ahead(ts, last=what == "qkv") if ts else None

@@ -37,7 +37,7 @@ _side: dict[int, torch.cuda.Stream] = {}
 
 
 @triton.jit
-def _prefetch_lines(p, nbytes, start, step, LINES: tl.constexpr, LAST: tl.constexpr):
+def prefetch_lines(p, nbytes, start, step, LINES: tl.constexpr, LAST: tl.constexpr):
     """Lines start, start + step, ... of [p, p + nbytes) into L2; LAST: marked evict_last
     (bytes read after other kernels' reads have passed through L2), else evict_normal."""
     offs = tl.arange(0, LINES) * 128
@@ -54,7 +54,7 @@ def _prefetch_lines(p, nbytes, start, step, LINES: tl.constexpr, LAST: tl.conste
 @triton.jit
 def _range_kernel(base, nbytes, LINES: tl.constexpr, LAST: tl.constexpr):
     p = base.to(tl.pointer_type(tl.int8))
-    _prefetch_lines(p, nbytes, tl.program_id(0) * LINES * 128, tl.num_programs(0) * LINES * 128,
+    prefetch_lines(p, nbytes, tl.program_id(0) * LINES * 128, tl.num_programs(0) * LINES * 128,
                     LINES, LAST)
 
 
@@ -68,7 +68,7 @@ def _experts_kernel(base, ids_ptr, map_ptr, expert_bytes, stride_e, MAP: tl.cons
         e = tl.load(map_ptr + e).to(tl.int64)
     if e >= 0:
         p = base.to(tl.pointer_type(tl.int8)) + e * stride_e
-        _prefetch_lines(p, expert_bytes, tl.program_id(1) * LINES * 128,
+        prefetch_lines(p, expert_bytes, tl.program_id(1) * LINES * 128,
                         tl.num_programs(1) * LINES * 128, LINES, False)
 
 

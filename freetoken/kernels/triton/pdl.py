@@ -47,6 +47,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from freetoken import env
 from freetoken.kernels.triton import interpreting
+from freetoken.kernels.triton.l2 import prefetch_lines
 
 
 @functools.cache
@@ -84,13 +85,8 @@ def prefetch_l2(base, nbytes, PDL: tl.constexpr, LINES: tl.constexpr = 256):
     kernel writes (a GEMV's weight rows), one 128-byte line per lane of LINES and step, so
     they stream in while the kernel before finishes and the loads after `wait` hit L2.
     Without PDL the kernel starts after the one before anyway: nothing to overlap, a no-op."""
-    if PDL >= 1:
-        p = base.to(tl.pointer_type(tl.int8))
-        offs = tl.arange(0, LINES) * 128
-        for i in tl.range(0, nbytes, LINES * 128):
-            o = tl.minimum(i + offs, nbytes - 1)  # past the end: the last line again
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [p + o], dtype=tl.int32, is_pure=False, pack=1)
+    if PDL >= 1:  # every line, by this one program
+        prefetch_lines(base.to(tl.pointer_type(tl.int8)), nbytes, 0, LINES * 128, LINES, False)
 
 
 def opts() -> dict:
