@@ -28,11 +28,12 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
 export FREETOKEN_CACHE=${FREETOKEN_CACHE:-/tmp/freetoken-cache}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 
+wanted() { case " ${STAGES:-$1} " in *" $1 "*) return 0;; *) return 1;; esac; }  # STAGES
 ran=()
 stage() {  # stage NAME SECONDS COMMAND...: output in OUT/NAME.txt, exit status and time last
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
-  case " ${STAGES:-$name} " in *" $name "*) ;; *) return 0;; esac  # STAGES: only those named
+  wanted "$name" || return 0
   ran+=("$name")
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
   echo "$name: exit $? in $((SECONDS - t0)) s" | tee -a "$out/$name.txt"
@@ -58,8 +59,8 @@ ab() {  # ab NAME SECONDS BACKEND BATCHES [args, the settings among them]: alter
 pdl=(--set FREETOKEN_GPU_PDL=0 --set FREETOKEN_GPU_PDL=1)
 ab pdl_fused 200 fused 1,16 "${pdl[@]}"
 # the hybrid needs the CPU executor (built by gpu_moe_backends.sh) and this host's bw profile
-case " ${STAGES:-pdl_hybrid} " in *" pdl_hybrid "*)
-  STAGES=bw bash benchmarks/gpu_moe_backends.sh bars "$out/bw" > "$out/bw.txt" 2>&1;; esac
+wanted pdl_hybrid \
+  && STAGES=bw bash benchmarks/gpu_moe_backends.sh bars "$out/bw" > "$out/bw.txt" 2>&1
 ab pdl_hybrid 200 hybrid 1 --moe-cache-rate 0.1 "${pdl[@]}"
 ab l2 300 fused 1,16 --set FREETOKEN_GPU_L2_AHEAD=0 --set FREETOKEN_GPU_L2_AHEAD=all \
   --set FREETOKEN_GPU_L2_AHEAD=o+down --set FREETOKEN_GPU_L2_AHEAD=qkv \
@@ -68,6 +69,7 @@ stage l2_test 150 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cud
   -k l2_ahead
 unknown=0
 for name in ${STAGES:-}; do
-  case " ${ran[*]} " in *" $name "*) ;; *) echo "no stage named $name" >&2; unknown=2;; esac
+  case " ${ran[*]} " in *" $name "*) ;; *)
+    echo "no stage named $name ran (ncu_*: needs ncu)" >&2; unknown=2;; esac
 done
 exit $unknown

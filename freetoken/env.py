@@ -227,7 +227,7 @@ def gpu_l2_ahead() -> frozenset[str]:
         return frozenset(_L2_AHEAD)
     names = frozenset(n.strip() for n in re.split(r"[,+]", v))  # `+`: for ab_env.py --set
     if not names <= frozenset(_L2_AHEAD):
-        raise ValueError(f"FREETOKEN_GPU_L2_AHEAD={v!r}: expected a comma-separated list of "
+        raise ValueError(f"FREETOKEN_GPU_L2_AHEAD={v!r}: expected a list (`,` or `+` between) of "
                          f"{', '.join(_L2_AHEAD)}, or all, or 0")
     return names
 

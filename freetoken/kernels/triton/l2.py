@@ -55,7 +55,7 @@ def prefetch_lines(p, nbytes, start, step, LINES: tl.constexpr, LAST: tl.constex
 def _range_kernel(base, nbytes, LINES: tl.constexpr, LAST: tl.constexpr):
     p = base.to(tl.pointer_type(tl.int8))
     prefetch_lines(p, nbytes, tl.program_id(0) * LINES * 128, tl.num_programs(0) * LINES * 128,
-                    LINES, LAST)
+                   LINES, LAST)
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _experts_kernel(base, ids_ptr, map_ptr, expert_bytes, stride_e, MAP: tl.cons
     if e >= 0:
         p = base.to(tl.pointer_type(tl.int8)) + e * stride_e
         prefetch_lines(p, expert_bytes, tl.program_id(1) * LINES * 128,
-                        tl.num_programs(1) * LINES * 128, LINES, False)
+                       tl.num_programs(1) * LINES * 128, LINES, False)
 
 
 def wants(what: str, x: torch.Tensor) -> bool:
